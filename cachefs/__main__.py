@@ -1,0 +1,3 @@
+from cachefs.cli import main
+
+raise SystemExit(main())

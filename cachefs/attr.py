@@ -1,0 +1,71 @@
+"""A remote file's attributes, as the mirror shows them and as the cache validates by."""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import NamedTuple
+
+
+class Version(NamedTuple):
+    """What a cached copy is valid for: the remote file's size and mtime."""
+
+    size: int
+    mtime_ns: int
+
+
+class Attr(NamedTuple):
+    """The fields of ``lstat`` that a read-only mirror shows.  Immutable, cheap to share."""
+
+    mode: int
+    size: int
+    uid: int
+    gid: int
+    nlink: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result) -> Attr:
+        return cls(
+            st.st_mode,
+            st.st_size,
+            st.st_uid,
+            st.st_gid,
+            st.st_nlink,
+            st.st_atime_ns,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+        )
+
+    @property
+    def version(self) -> Version:
+        return Version(self.size, self.mtime_ns)
+
+    @property
+    def is_file(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return stat.S_ISLNK(self.mode)
+
+    def as_fuse(self) -> dict[str, int]:
+        """The dict the FUSE binding expects (times in ns: the adapter sets use_ns)."""
+        return {
+            "st_mode": self.mode,
+            "st_size": self.size,
+            "st_uid": self.uid,
+            "st_gid": self.gid,
+            "st_nlink": self.nlink,
+            "st_atime": self.atime_ns,
+            "st_mtime": self.mtime_ns,
+            "st_ctime": self.ctime_ns,
+            # du and `ls -s` through the mount show the remote's logical size.
+            "st_blocks": -(-self.size // 512),
+        }

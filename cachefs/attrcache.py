@@ -1,0 +1,105 @@
+"""Remote attributes, remembered for --revalidate seconds.
+
+Every lookup, stat and open needs the remote file's attributes, and each costs
+a round trip to the NFS server.  They are kept here for ``revalidate_seconds``
+(``None``: for ever, the dataset is immutable).  The interval is the promise:
+once it has passed since a change on the remote, no old bytes are served.
+
+When the remote cannot answer (timeout, EIO), the last known attributes, or
+those recorded with a cached file, are used instead: a training job keeps
+reading its cached files through a remote outage.  When the remote answers
+that a file is gone (ENOENT), it is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from cachefs.attr import Attr
+from cachefs.errors import RemoteUnavailable
+from cachefs.remote import Remote
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_ENTRIES = 1_000_000
+
+
+class AttrCache:
+    """Attributes by path relative to BACKING.
+
+    Thread safety: ``_lock`` guards ``_entries`` (a leaf lock, never held across
+    a remote call).
+    """
+
+    def __init__(
+        self,
+        remote: Remote,
+        revalidate_seconds: float | None,
+        recorded_attr: Callable[[str], Attr | None],
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> None:
+        self._remote = remote
+        self._ttl = revalidate_seconds
+        self._recorded_attr = recorded_attr
+        self._max_entries = max_entries
+        self._lock = threading.Lock()
+        # path -> (attr, monotonic time it was fetched); insertion order is age order.
+        self._entries: dict[str, tuple[Attr, float]] = {}
+
+    def get(self, relpath: str) -> Attr:
+        """The file's attributes, fetched from the remote when older than the interval."""
+        now = time.monotonic()
+        entry = self._entries.get(relpath)
+        if entry is not None:
+            if self._ttl is None or now - entry[1] < self._ttl or not self._remote.available:
+                return entry[0]
+        elif self._ttl is None:
+            recorded = self._recorded_attr(relpath)
+            if recorded is not None:
+                self._remember(relpath, recorded, now)
+                return recorded
+        try:
+            attr = self._remote.lstat(relpath)
+        except FileNotFoundError:
+            self.forget(relpath)
+            raise
+        except (RemoteUnavailable, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno != errno.EIO:
+                raise  # ESTALE, EACCES, ...: the remote's answer, passed on
+            fallback = entry[0] if entry is not None else self._recorded_attr(relpath)
+            if fallback is None:
+                raise
+            return fallback
+        self._remember(relpath, attr, now)
+        return attr
+
+    def put(self, relpath: str, attr: Attr) -> None:
+        """Remember attributes learned elsewhere (a fresh fstat of the open file)."""
+        self._remember(relpath, attr, time.monotonic())
+
+    def forget(self, relpath: str) -> None:
+        with self._lock:
+            self._entries.pop(relpath, None)
+
+    def _remember(self, relpath: str, attr: Attr, now: float) -> None:
+        with self._lock:
+            self._entries.pop(relpath, None)
+            self._entries[relpath] = (attr, now)
+            if len(self._entries) > self._max_entries:
+                # Drop the oldest tenth: they would need a round trip soon anyway.
+                for old in list(self._entries)[: self._max_entries // 10]:
+                    del self._entries[old]
+
+
+def relpath_of(fuse_path: str) -> str:
+    """FUSE's ``/a/b`` as ``a/b``; the root is ``""``."""
+    return fuse_path.lstrip("/")
+
+
+def relpath_key(relpath: str) -> bytes:
+    return os.fsencode(relpath)

@@ -1,0 +1,298 @@
+"""The ``cachefs`` command: mount, unmount, status, warm, verify.
+
+Bad input of any kind ends in one line on stderr naming the problem and the
+fix, and a non-zero exit; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import logging.handlers
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cachefs import __version__
+from cachefs.config import DEFAULT_METRICS_PORT, build_settings, read_config_file
+from cachefs.errors import UsageError
+from cachefs.status import format_status, watch
+
+log = logging.getLogger("cachefs")
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+MOUNT_WAIT_SECONDS = 300.0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of a usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="cachefs", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    mount = commands.add_parser("mount", help="mount a cached mirror of a remote dataset")
+    mount.add_argument("backing", nargs="?", help="the remote dataset directory (an NFS path)")
+    mount.add_argument("mountpoint", nargs="?", help="an empty directory to mount on")
+    mount.add_argument("--cache-dir", help="cache directory on the local SSD (created 0700)")
+    mount.add_argument("--cache-size", help="byte budget of the cache: 500G, 1.5T, 200MiB, 10GB")
+    mount.add_argument("--fraction", help="share of the files to keep, 0..1 (default 1.0)")
+    mount.add_argument("--seed", help="seed choosing which files are kept (default 0)")
+    mount.add_argument("--metrics-addr", help=f"HOST:PORT of /metrics (default "
+                       f"127.0.0.1:{DEFAULT_METRICS_PORT}; 0 turns metrics off)")
+    mount.add_argument("--revalidate", help="seconds before a file is checked against the remote "
+                       "again, or 'never' for immutable datasets (default 60)")
+    mount.add_argument("--remote-timeout", help="seconds a read waits on the remote before EIO "
+                       "(default 30)")
+    mount.add_argument("--prefetch-concurrency", help="files prefetched at once (default 32)")
+    mount.add_argument("--staging-size", help="memory for prefetched files the cache does not "
+                       "keep (default 512MiB)")
+    mount.add_argument("--allow-other", action="store_true", default=None,
+                       help="let other users read the mount (permissions are enforced)")
+    mount.add_argument("--runtime-dir", help="directory of the control socket")
+    mount.add_argument("--foreground", action="store_true",
+                       help="stay attached and log to stderr (for systemd)")
+    mount.add_argument("--config", help="TOML file with these settings; flags override it")
+    mount.add_argument("--log-file", help="log here (default in /var/log/cachefs or "
+                       "~/.local/state/cachefs when not in the foreground)")
+    mount.add_argument("--debug", action="store_true", help="log every remote fault in detail")
+
+    unmount = commands.add_parser("unmount", help="unmount and stop the daemon")
+    unmount.add_argument("mountpoint")
+    unmount.add_argument("--lazy", action="store_true",
+                         help="detach now even if files are open (fusermount -uz)")
+
+    status = commands.add_parser("status", help="hit ratio, cache use and traffic of a mount")
+    status.add_argument("mountpoint")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
+                        help="refresh every SECONDS (default 2) until interrupted")
+
+    warm = commands.add_parser("warm", help="fill the cache from a list of paths")
+    warm.add_argument("mountpoint")
+    warm.add_argument("--list", metavar="FILE", help="paths, one per line, relative to the "
+                      "mount or absolute inside it; '-' reads stdin (default: every file)")
+    warm.add_argument("--connections", type=int, default=16,
+                      help="requests in flight at once (default 16)")
+
+    verify = commands.add_parser("verify", help="check every cached chunk against its checksum")
+    verify.add_argument("--cache-dir", required=True)
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+# -- mount -----------------------------------------------------------------------------------
+
+SETTING_FLAGS = ("backing", "mountpoint", "cache_dir", "cache_size", "fraction", "seed",
+                 "metrics_addr", "revalidate", "remote_timeout", "prefetch_concurrency",
+                 "staging_size", "allow_other", "log_file", "runtime_dir")
+
+
+def _settings_from_args(args: argparse.Namespace):
+    raw: dict[str, Any] = read_config_file(args.config) if args.config else {}
+    flags = {key: getattr(args, key) for key in SETTING_FLAGS if getattr(args, key) is not None}
+    from_file = frozenset(raw.keys() - flags.keys())
+    raw.update(flags)
+    return build_settings(raw, config_file=args.config, from_file=from_file)
+
+
+def _configure_logging(log_file: Path | None, debug: bool) -> None:
+    handler: logging.Handler
+    if log_file is None:
+        handler = logging.StreamHandler(sys.stderr)
+    else:
+        try:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            # Reopens the file after logrotate moves it.
+            handler = logging.handlers.WatchedFileHandler(log_file)
+        except OSError as exc:
+            raise UsageError(f"cannot write log file {log_file}: {exc.strerror}; pass "
+                             "--log-file with a writable path") from None
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    # The binding logs every errno at debug level with a traceback: too much even for --debug.
+    logging.getLogger("fuse").setLevel(logging.WARNING)
+
+
+def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
+    from cachefs import daemon, preflight
+
+    settings = _settings_from_args(args)
+    note = preflight.preflight(settings)
+    if not args.foreground:
+        if note:
+            print(f"cachefs: {note}", file=sys.stderr)
+        return _mount_in_background(settings, argv)
+
+    _configure_logging(settings.log_file, args.debug)
+    instance = daemon.Daemon(settings)
+    try:
+        instance.start()
+    except UsageError as exc:
+        daemon.report_ready(str(exc))
+        raise
+    try:
+        instance.serve()
+    except RuntimeError as exc:
+        message = f"mounting {settings.mountpoint} failed ({exc}); see the log for the reason"
+        daemon.report_ready(message)
+        raise UsageError(message) from None
+    finally:
+        instance.stop()
+    return 0
+
+
+def _mount_in_background(settings, argv: list[str]) -> int:
+    """Start the daemon detached and wait until it serves or fails, like mount(8)."""
+    from cachefs import daemon
+
+    log_file = settings.log_file or daemon.default_log_file(settings.mountpoint)
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        log_stream = open(log_file, "ab")  # noqa: SIM115 (handed to the child below)
+    except OSError as exc:
+        raise UsageError(f"cannot write log file {log_file}: {exc.strerror}; pass --log-file "
+                         "with a writable path") from None
+    read_end, write_end = os.pipe()
+    env = dict(os.environ, **{daemon.READY_FD_ENV: str(write_end)})
+    command = [sys.executable, "-m", "cachefs", *argv, "--foreground", "--log-file", str(log_file)]
+    with log_stream:
+        child = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log_stream, stderr=log_stream,
+            pass_fds=(write_end,), start_new_session=True, env=env, close_fds=True,
+        )
+    os.close(write_end)
+    message = _wait_for_ready(read_end, child)
+    os.close(read_end)
+    if message == "READY":
+        return 0
+    if child.poll() is None:
+        child.terminate()
+    if not message:
+        message = f"the daemon exited before mounting; see {log_file}"
+        tail = _last_line(log_file)
+        if tail:
+            message += f" (last line: {tail})"
+    raise UsageError(message)
+
+
+def _wait_for_ready(fd: int, child: subprocess.Popen) -> str:
+    deadline = time.monotonic() + MOUNT_WAIT_SECONDS
+    received = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            chunk = os.read(fd, 4096)
+            received += chunk
+            if not chunk or b"\n" in received:
+                break
+        elif child.poll() is not None:
+            break
+    line = received.decode(errors="replace").strip()
+    return line.removeprefix("ERROR ").strip() if line != "READY" else line
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""
+
+
+# -- unmount, status ---------------------------------------------------------------------------
+
+def cmd_unmount(args: argparse.Namespace) -> int:
+    from cachefs.controlclient import status as fetch_status
+    from cachefs.mountpoint import FSTYPE, find_mount, unmount
+
+    mountpoint = Path(os.path.abspath(args.mountpoint))
+    entry = find_mount(mountpoint)
+    if entry is None:
+        raise UsageError(f"{mountpoint} is not mounted")
+    if entry.fstype != FSTYPE:
+        raise UsageError(f"{mountpoint} is a {entry.fstype} mount, not cachefs; use umount")
+    pid = None
+    try:
+        pid = fetch_status(mountpoint).get("pid")
+    except UsageError:
+        pass  # a dead or hung daemon: unmounting is all there is to do
+    result = unmount(mountpoint, lazy=args.lazy)
+    if result.returncode != 0:
+        reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
+        hint = "; close the files open in it or use --lazy" if "busy" in reason.lower() else ""
+        raise UsageError(f"cannot unmount {mountpoint}: {reason}{hint}")
+    if pid and not args.lazy:
+        _wait_for_exit(pid, 30.0)
+    return 0
+
+
+def _wait_for_exit(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            return  # another user's daemon; it exits on its own
+        time.sleep(0.05)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cachefs.controlclient import status as fetch_status
+
+    if args.watch:
+        return watch(lambda: fetch_status(args.mountpoint), args.watch)
+    st = fetch_status(args.mountpoint)
+    print(json.dumps(st, indent=2, sort_keys=True) if args.json else format_status(st))
+    return 0
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    from cachefs.warm import read_list, walk_files, warm
+
+    mountpoint = Path(os.path.abspath(args.mountpoint))
+    paths = read_list(args.list) if args.list else walk_files(mountpoint)
+    return warm(str(mountpoint), paths, args.connections)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from cachefs.verify import verify
+
+    return verify(Path(os.path.abspath(args.cache_dir)), as_json=args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "mount":
+            return cmd_mount(args, argv)
+        if args.command == "unmount":
+            return cmd_unmount(args)
+        if args.command == "status":
+            return cmd_status(args)
+        if args.command == "warm":
+            return cmd_warm(args)
+        if args.command == "verify":
+            return cmd_verify(args)
+    except UsageError as exc:
+        print(f"cachefs {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(args.command)

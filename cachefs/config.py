@@ -1,0 +1,224 @@
+"""Mount settings: defaults, the TOML config file, command-line overrides, validation.
+
+Every problem is a :class:`UsageError` whose message is one line naming what is
+wrong and what to do; the CLI prints it and exits non-zero before anything is
+mounted or touched in the cache dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from cachefs.errors import UsageError
+from cachefs.sizes import parse_size
+
+DEFAULT_METRICS_PORT = 9477
+DEFAULT_REVALIDATE_SECONDS = 60.0
+DEFAULT_REMOTE_TIMEOUT_SECONDS = 30.0
+DEFAULT_PREFETCH_CONCURRENCY = 32
+DEFAULT_STAGING_BYTES = 512 * 2**20
+# Below this the index and its write-ahead log leave no room for data.
+MIN_CACHE_BYTES = 4 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsAddress:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything a mount needs, validated.  Paths are absolute."""
+
+    backing: Path
+    mountpoint: Path
+    cache_dir: Path
+    cache_size_bytes: int
+    fraction: float = 1.0
+    seed: int = 0
+    metrics_addr: MetricsAddress | None = MetricsAddress("127.0.0.1", DEFAULT_METRICS_PORT)
+    # None means "never": trust the cache, the dataset is immutable.
+    revalidate_seconds: float | None = DEFAULT_REVALIDATE_SECONDS
+    remote_timeout_seconds: float = DEFAULT_REMOTE_TIMEOUT_SECONDS
+    prefetch_concurrency: int = DEFAULT_PREFETCH_CONCURRENCY
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    allow_other: bool = False
+    log_file: Path | None = None
+    runtime_dir: Path | None = None
+
+
+# Config file keys are the flag names with "_" for "-"; each maps to a parser.
+def _path(value: Any) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ValueError("must be a non-empty path string")
+    return Path(os.path.abspath(os.path.expanduser(value)))
+
+
+def _number(value: Any, kind: type, problem: str) -> Any:
+    """``kind(value)``, or a ValueError that says what was expected instead of Python's text."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{value!r} {problem}") from None
+
+
+def _fraction(value: Any) -> float:
+    problem = "is not a fraction between 0 and 1"
+    number = _number(value, float, problem)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{value!r} {problem}")
+    return number
+
+
+def _seed(value: Any) -> int:
+    problem = "is not a seed between 0 and 2**64-1"
+    number = _number(value, int, problem)
+    if not 0 <= number < 2**64:
+        raise ValueError(f"{value!r} {problem}")
+    return number
+
+
+def _cache_size(value: Any) -> int:
+    size = parse_size(value)
+    if size < MIN_CACHE_BYTES:
+        raise ValueError(f"{value!r} is below the minimum of 4MiB")
+    return size
+
+
+def _staging_size(value: Any) -> int:
+    return parse_size(value)
+
+
+def _revalidate(value: Any) -> float | None:
+    if isinstance(value, str) and value.strip().lower() == "never":
+        return None
+    problem = "is neither a number of seconds >= 0 nor 'never'"
+    number = _number(value, float, problem)
+    if not 0 <= number < math.inf:
+        raise ValueError(f"{value!r} {problem}")
+    return number
+
+
+def _positive_seconds(value: Any) -> float:
+    problem = "is not a positive number of seconds"
+    number = _number(value, float, problem)
+    if not 0 < number < math.inf:
+        raise ValueError(f"{value!r} {problem}")
+    return number
+
+
+def _concurrency(value: Any) -> int:
+    problem = "is not a whole number between 1 and 1024"
+    number = _number(value, int, problem)
+    if not 1 <= number <= 1024:
+        raise ValueError(f"{value!r} {problem}")
+    return number
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{value!r} is not true or false")
+
+
+def parse_metrics_addr(value: Any) -> MetricsAddress | None:
+    """``HOST:PORT``, ``:PORT``, ``PORT`` or ``0`` (metrics off).  Port 0 picks a free port."""
+    text = str(value).strip()
+    if text in ("0", "", "off", "none"):
+        return None
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        host, port_text = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not HOST:PORT") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range")
+    return MetricsAddress(host, port)
+
+
+PARSERS = {
+    "backing": _path,
+    "mountpoint": _path,
+    "cache_dir": _path,
+    "cache_size": _cache_size,
+    "fraction": _fraction,
+    "seed": _seed,
+    "metrics_addr": parse_metrics_addr,
+    "revalidate": _revalidate,
+    "remote_timeout": _positive_seconds,
+    "prefetch_concurrency": _concurrency,
+    "staging_size": _staging_size,
+    "allow_other": _bool,
+    "log_file": _path,
+    "runtime_dir": _path,
+}
+
+# Config key -> Settings field, where the field name carries the unit.
+FIELD_FOR_KEY = {
+    "cache_size": "cache_size_bytes",
+    "revalidate": "revalidate_seconds",
+    "remote_timeout": "remote_timeout_seconds",
+    "staging_size": "staging_bytes",
+}
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The raw settings in a TOML file, keys checked against the known ones."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"config file {path} does not exist") from None
+    except PermissionError:
+        raise UsageError(f"config file {path} is not readable by this user") from None
+    except IsADirectoryError:
+        raise UsageError(f"config file {path} is a directory, not a TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
+    for key in raw:
+        if key not in PARSERS:
+            known = ", ".join(sorted(PARSERS))
+            raise UsageError(f"config file {path}: unknown setting {key!r} (known: {known})")
+    return raw
+
+
+def build_settings(raw: dict[str, Any], *, config_file: str | None = None,
+                   from_file: frozenset[str] = frozenset()) -> Settings:
+    """Parse and check ``raw`` (config file values overridden by flags) into Settings.
+
+    ``from_file`` names the keys whose values came from ``config_file``, so an
+    error points at the file or at the flag, wherever the bad value was written.
+    """
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if value is None:
+            continue
+        try:
+            values[FIELD_FOR_KEY.get(key, key)] = PARSERS[key](value)
+        except (ValueError, TypeError, OverflowError) as exc:
+            where = f"{key} in {config_file}" if key in from_file else "--" + key.replace("_", "-")
+            raise UsageError(f"{where}: {exc}") from None
+    for required, hint in (
+        ("backing", "the remote dataset directory, e.g. /mnt/efs/imagenet"),
+        ("mountpoint", "an empty directory to mount on"),
+        ("cache_dir", "--cache-dir on the local NVMe"),
+        ("cache_size_bytes", "--cache-size, e.g. 500G"),
+    ):
+        if required not in values:
+            name = required.removesuffix("_bytes").replace("_", "-")
+            raise UsageError(f"missing {name}: give {hint}")
+    return Settings(**values)

@@ -1,0 +1,256 @@
+"""One cachefs mount: wires the parts together, serves until unmounted, cleans up.
+
+Startup order matters: everything that can fail on bad input (paths, the cache
+dir, the metrics port, the socket) is done before the FUSE mount, so a failure
+leaves nothing mounted.  Readiness is reported once the kernel has completed
+the FUSE handshake, through a pipe to the ``cachefs mount`` that started us
+and through sd_notify for systemd.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import xxhash
+
+from cachefs import __version__, sdnotify
+from cachefs._fuse import FUSE
+from cachefs.admission import FractionAdmission
+from cachefs.attrcache import AttrCache, relpath_key
+from cachefs.config import MetricsAddress, Settings
+from cachefs.control import ControlServer, Peer, Reply
+from cachefs.fetcher import Fetcher
+from cachefs.fuse_ops import CachefsOperations
+from cachefs.metrics import HINT_RESULTS, PREFETCH_RESULTS, Metrics
+from cachefs.paths import Caller
+from cachefs.prefetch import Prefetcher
+from cachefs.remote import Remote
+from cachefs.staging import StagingArea
+from cachefs.store import CacheStore
+from cachefs.tree import CONTROL_NAME, CachedTree
+
+log = logging.getLogger(__name__)
+
+READY_FD_ENV = "CACHEFS_READY_FD"
+# Kernel attribute and entry caching when files may change: short, so that the
+# daemon's own --revalidate interval is what bounds staleness.
+MUTABLE_KERNEL_TIMEOUT_SECONDS = 1.0
+IMMUTABLE_KERNEL_TIMEOUT_SECONDS = 86400.0
+
+
+def default_runtime_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/cachefs")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "cachefs" if runtime else Path(f"/tmp/cachefs-{os.geteuid()}")
+
+
+def mount_name(mountpoint: Path) -> str:
+    """A file-name-safe identifier of a mount point: ``/mnt/imagenet`` -> ``mnt-imagenet``."""
+    text = str(mountpoint).strip("/").replace("/", "-") or "root"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:80]
+
+
+def socket_path(settings: Settings) -> Path:
+    # Unix socket paths are limited to 107 bytes: name the socket by a hash.
+    digest = xxhash.xxh64_hexdigest(os.fsencode(os.path.realpath(settings.mountpoint)))
+    return (settings.runtime_dir or default_runtime_dir()) / f"{digest}.sock"
+
+
+def default_log_file(mountpoint: Path) -> Path:
+    if os.geteuid() == 0:
+        base = Path("/var/log/cachefs")
+    else:
+        base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "cachefs"
+    return base / f"{mount_name(mountpoint)}.log"
+
+
+class Daemon:
+    """A mount being served.  Build with :meth:`start` (no FUSE yet), then :meth:`serve`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.started_at = time.time()
+        self.metrics = Metrics()
+        self.metrics_port: int | None = None
+        self.store: CacheStore | None = None
+        self.remote: Remote | None = None
+        self.control: ControlServer | None = None
+        self.tree: CachedTree | None = None
+        self.prefetcher: Prefetcher | None = None
+
+    def start(self) -> None:
+        """Everything but the mount.  Raises UsageError for bad input; undoes itself on failure."""
+        s = self.settings
+        m = self.metrics
+        try:
+            admission = FractionAdmission(s.fraction, s.seed)
+            self.store = CacheStore.open(s.cache_dir, s.cache_size_bytes, admission,
+                                         on_integrity_failure=m.integrity_failures.inc)
+            store = self.store
+            m.cache_capacity_bytes.set(s.cache_size_bytes)
+            m.bind_gauge(m.cache_bytes, lambda: store.used_bytes)
+            m.bind_gauge(m.cache_files, lambda: store.complete_files)
+            m.bind_gauge(m.cache_admitting, lambda: float(store.admitting))
+            if s.metrics_addr is not None:
+                self.metrics_port = m.serve(s.metrics_addr)
+            self.remote = Remote(
+                str(s.backing), s.remote_timeout_seconds,
+                on_read_bytes=m.remote_read_bytes.inc,
+                on_error=lambda kind: m.remote_errors.labels(kind).inc(),
+                on_availability=lambda up: m.remote_available.set(1 if up else 0),
+            )
+            attrs = AttrCache(self.remote, s.revalidate_seconds, self._recorded_attr)
+            fetcher = Fetcher(self.remote, store)
+            staging = StagingArea(s.staging_bytes,
+                                  on_wasted=m.prefetch_files.labels("wasted").inc)
+            self.prefetcher = Prefetcher(
+                mountpoint=str(s.mountpoint), store=store, fetcher=fetcher, remote=self.remote,
+                attrs=attrs, staging=staging, metrics=m, concurrency=s.prefetch_concurrency)
+            control_path = socket_path(s)
+            self.tree = CachedTree(
+                remote=self.remote, store=store, attrs=attrs, fetcher=fetcher, metrics=m,
+                prefetcher=self.prefetcher, control_target=str(control_path),
+            )
+            self.control = ControlServer(
+                control_path,
+                {b"STATUS": self._status_request, b"PING": self._ping_request,
+                 b"HINT": self._hint_request, b"FETCH": self._fetch_request},
+                on_invalid=m.hints.labels("invalid").inc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _recorded_attr(self, relpath: str):
+        record = self.store.lookup(relpath_key(relpath)) if self.store else None
+        return record.attr if record is not None else None
+
+    def serve(self) -> None:
+        """Mount and serve until unmounted (fusermount -u, SIGTERM, SIGINT)."""
+        s = self.settings
+        timeout = (IMMUTABLE_KERNEL_TIMEOUT_SECONDS if s.revalidate_seconds is None
+                   else min(MUTABLE_KERNEL_TIMEOUT_SECONDS, s.revalidate_seconds))
+        operations = CachefsOperations(
+            self.tree, keep_kernel_cache=s.revalidate_seconds is None,
+            on_mounted=self._on_mounted)
+        options = dict(
+            foreground=True, ro=True, raw_fi=True, default_permissions=True,
+            fsname=str(s.backing), subtype="cachefs",
+            attr_timeout=timeout, entry_timeout=timeout, negative_timeout=0,
+        )
+        if s.allow_other:
+            options["allow_other"] = True
+        log.info("mounting %s at %s (cache %s, %d bytes, fraction %g, seed %d)",
+                 s.backing, s.mountpoint, s.cache_dir, s.cache_size_bytes, s.fraction, s.seed)
+        try:
+            FUSE(operations, str(s.mountpoint), **options)
+        finally:
+            log.info("unmounted %s", s.mountpoint)
+            sdnotify.notify("STOPPING=1")
+
+    def _on_mounted(self) -> None:
+        log.info("serving %s at %s", self.settings.backing, self.settings.mountpoint)
+        report_ready()
+        sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={os.getpid()}")
+
+    def stop(self) -> None:
+        """Release everything :meth:`start` took; safe to call twice or after a failed start."""
+        for part in (self.control, self.prefetcher, self.remote):
+            if part is not None:
+                part.close()
+        self.metrics.close()
+        if self.store is not None:
+            self.store.close()
+        self.control = self.prefetcher = self.remote = self.store = None
+
+    # -- status ----------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        s, m = self.settings, self.metrics
+        hits = m.value("cachefs_file_opens_total", result="hit")
+        misses = m.value("cachefs_file_opens_total", result="miss")
+        read = {src: m.value("cachefs_read_bytes_total", source=src)
+                for src in ("cache", "remote", "prefetch")}
+        total_read = sum(read.values())
+        metrics_url = None
+        if s.metrics_addr is not None and self.metrics_port is not None:
+            address = MetricsAddress(s.metrics_addr.host, self.metrics_port)
+            metrics_url = f"http://{address}/metrics"
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "mountpoint": str(s.mountpoint),
+            "backing": str(s.backing),
+            "cache_dir": str(s.cache_dir),
+            "uptime_seconds": round(time.time() - self.started_at, 1),
+            "fraction": s.fraction,
+            "seed": s.seed,
+            "revalidate_seconds": s.revalidate_seconds,
+            "hit_ratio": hits / (hits + misses) if hits + misses else None,
+            "byte_hit_ratio": (read["cache"] + read["prefetch"]) / total_read
+            if total_read else None,
+            "file_opens": {"hit": int(hits), "miss": int(misses)},
+            "read_bytes": {k: int(v) for k, v in read.items()},
+            "remote_read_bytes": int(m.value("cachefs_remote_read_bytes_total")),
+            "cache_bytes": int(m.value("cachefs_cache_bytes")),
+            "cache_capacity_bytes": s.cache_size_bytes,
+            "cache_files": int(m.value("cachefs_cache_files")),
+            "admitting": bool(m.value("cachefs_cache_admitting")),
+            "cache_write_error": self.store.write_error if self.store else None,
+            "integrity_failures": int(m.value("cachefs_integrity_failures_total")),
+            "remote_available": bool(m.value("cachefs_remote_available")),
+            "open_files": self.tree.open_files if self.tree else 0,
+            "metrics_url": metrics_url,
+            "hints": {r: int(m.value("cachefs_hints_total", result=r)) for r in HINT_RESULTS},
+            "prefetch": {
+                **{r: int(m.value("cachefs_prefetch_files_total", result=r))
+                   for r in PREFETCH_RESULTS},
+                **(self.prefetcher.figures() if self.prefetcher else {"queued": 0,
+                                                                      "inflight": 0}),
+                "staging_bytes": int(m.value("cachefs_staging_bytes")),
+            },
+        }
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=."""
+        st = self.status()
+        ratio = "-" if st["hit_ratio"] is None else f"{st['hit_ratio']:.1%}"
+        return (f"hit ratio {ratio}, {st['cache_files']} files cached, "
+                f"{st['cache_bytes']}/{st['cache_capacity_bytes']} bytes")
+
+    def _status_request(self, peer, argument: bytes) -> Reply:
+        return Reply({"ok": True, **self.status()})
+
+    def _hint_request(self, peer: Peer, argument: bytes) -> None:
+        self.prefetcher.hint(argument, _caller(peer))
+
+    def _fetch_request(self, peer: Peer, argument: bytes) -> Reply:
+        return Reply(self.prefetcher.fetch_now(argument, _caller(peer)))
+
+    def _ping_request(self, peer, argument: bytes) -> Reply:
+        return Reply({"ok": True, "version": __version__,
+                      "mountpoint": str(self.settings.mountpoint), "control": CONTROL_NAME})
+
+
+@functools.lru_cache(maxsize=4096)
+def _caller(peer: Peer) -> Caller:
+    """The peer with its supplementary groups (read once per process, not per hint)."""
+    return Caller.of_process(peer.pid, peer.uid, peer.gid)
+
+
+def report_ready(error: str | None = None) -> None:
+    """Tell the ``cachefs mount`` that started us whether the mount serves."""
+    fd_text = os.environ.pop(READY_FD_ENV, None)
+    if fd_text is None:
+        return
+    message = f"ERROR {error}\n" if error else "READY\n"
+    try:
+        fd = int(fd_text)
+        os.write(fd, message.encode(errors="replace"))
+        os.close(fd)
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,75 @@
+"""Fetching chunks from the remote, once per chunk however many readers want it.
+
+A DataLoader worker that opens a file the prefetcher is fetching waits for that
+fetch instead of starting a second one; two workers reading the same chunk of a
+shard do the same.  The first caller does the remote read and the admission;
+the others wait on its future, never longer than the remote timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+from cachefs.attr import Attr, Version
+from cachefs.errors import RemoteChanged, RemoteUnavailable
+from cachefs.remote import Remote
+from cachefs.store import CacheStore, chunk_span
+
+
+class Fetcher:
+    """Deduplicated chunk fetches.
+
+    Thread safety: ``_lock`` guards ``_inflight`` only (a leaf lock, never held
+    across a remote call).
+    """
+
+    def __init__(self, remote: Remote, store: CacheStore) -> None:
+        self._remote = remote
+        self._store = store
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[bytes, Version, int], concurrent.futures.Future] = {}
+
+    def fetch(self, relpath: str, key: bytes, attr: Attr, number: int, *, admit: bool) -> bytes:
+        """Chunk ``number`` of version ``attr`` of the file, from the remote.
+
+        With ``admit`` the chunk is offered to the store (which may decline: not
+        eligible, full, disk trouble).  Raises RemoteChanged when the remote file
+        is no longer that version, RemoteUnavailable on timeout, OSError as the
+        remote answered.
+        """
+        ident = (key, attr.version, number)
+        with self._lock:
+            future = self._inflight.get(ident)
+            owner = future is None
+            if owner:
+                future = self._inflight[ident] = concurrent.futures.Future()
+        if not owner:
+            return self._wait(future)
+        try:
+            offset, length = chunk_span(attr.size, number)
+            data = self._remote.read(relpath, offset, length, attr.version)
+            if len(data) != length:
+                raise RemoteChanged(f"{relpath} is shorter than its attributes say")
+            if admit:
+                self._store.store_chunk(key, attr, number, data)
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        else:
+            future.set_result(data)
+            return data
+        finally:
+            with self._lock:
+                del self._inflight[ident]
+
+    def inflight(self, key: bytes, attr: Attr, number: int) -> concurrent.futures.Future | None:
+        return self._inflight.get((key, attr.version, number))
+
+    def _wait(self, future: concurrent.futures.Future) -> bytes:
+        # The owner gives up after one remote timeout; allow it that and a little more.
+        try:
+            return future.result(self._remote.timeout_seconds + 1.0)
+        except concurrent.futures.TimeoutError:
+            raise RemoteUnavailable("a fetch of this chunk by another reader did not finish") \
+                from None

@@ -1,0 +1,121 @@
+"""The persistent index: which files and chunks are stored, for which version, with checksums.
+
+Backed by diskcache (SQLite in WAL mode), so it survives restarts and crashes:
+a record is written only after its chunk file is complete, and SQLite commits
+are atomic.  Records are packed with ``struct`` rather than pickled: they are
+read on every open of a file.
+
+Keys are bytes (``os.fsencode`` of the path relative to BACKING) because names
+that are not valid UTF-8 cannot be SQLite text.  A file's record sits at its
+path; chunk records of files with more than one chunk at ``path NUL n``.
+Chunk files on disk are named after :func:`data_key`, which adds the version.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import diskcache
+
+from cachefs.attr import Attr, Version
+
+# size, mtime_ns, mode, uid, gid, nlink, atime_ns, ctime_ns, stored chunks, checksum of chunk 0
+_FILE = struct.Struct("<qqIIIQqqIQ")
+# checksum, length
+_CHUNK = struct.Struct("<QI")
+
+INDEX_SETTINGS = {
+    "eviction_policy": "none",  # we never evict to make room; see admission.py
+    "size_limit": 2**62,
+    "disk_min_file_size": 2**20,  # every record stays inside SQLite
+    "sqlite_mmap_size": 0,
+    # Keep the write-ahead log small: its size counts against the byte budget.
+    "sqlite_wal_autocheckpoint": 128,
+    "sqlite_journal_size_limit": 2**20,
+}
+
+
+class FileRecord(NamedTuple):
+    """One cached file: its remote attributes and how many of its chunks are stored."""
+
+    attr: Attr
+    stored_chunks: int
+    # Checksum of the only chunk of a single-chunk file, saving a second lookup per open.
+    first_checksum: int
+
+    @property
+    def version(self) -> Version:
+        return self.attr.version
+
+
+class ChunkRecord(NamedTuple):
+    checksum: int
+    length: int
+
+
+def file_key(relpath_bytes: bytes) -> bytes:
+    return relpath_bytes
+
+
+def chunk_key(relpath_bytes: bytes, index: int) -> bytes:
+    return b"%s\0%d" % (relpath_bytes, index)
+
+
+def data_key(relpath_bytes: bytes, index: int, version: Version) -> bytes:
+    """What names a chunk's file on disk: two versions of a file never share a chunk file,
+    so writing the new one cannot clobber the old one still being read or dropped."""
+    return b"%s\0%d\0%d:%d" % (relpath_bytes, index, version.size, version.mtime_ns)
+
+
+def split_key(key: bytes) -> tuple[bytes, int | None]:
+    """(path, chunk number) of a chunk key; (path, None) of a file key."""
+    path, sep, number = key.rpartition(b"\0")
+    return (path, int(number)) if sep else (key, None)
+
+
+class CacheIndex:
+    """Record storage.  Thread safety: diskcache gives each thread its own connection;
+    read-modify-write sequences are the caller's to serialise (the store's lock)."""
+
+    def __init__(self, directory: Path) -> None:
+        self._cache = diskcache.Cache(str(directory), **INDEX_SETTINGS)
+
+    def close(self) -> None:
+        self._cache.close()
+
+    def get_file(self, key: bytes) -> FileRecord | None:
+        raw = self._cache.get(key)
+        if raw is None:
+            return None
+        f = _FILE.unpack(raw)
+        return FileRecord(Attr(f[2], f[0], f[3], f[4], f[5], f[6], f[1], f[7]), f[8], f[9])
+
+    def put_file(self, key: bytes, record: FileRecord) -> None:
+        a = record.attr
+        self._cache.set(
+            key,
+            _FILE.pack(
+                a.size, a.mtime_ns, a.mode, a.uid, a.gid, a.nlink, a.atime_ns, a.ctime_ns,
+                record.stored_chunks, record.first_checksum,
+            ),
+        )
+
+    def get_chunk(self, key: bytes) -> ChunkRecord | None:
+        raw = self._cache.get(key)
+        return None if raw is None else ChunkRecord(*_CHUNK.unpack(raw))
+
+    def put_chunk(self, key: bytes, record: ChunkRecord) -> None:
+        self._cache.set(key, _CHUNK.pack(record.checksum, record.length))
+
+    def delete(self, key: bytes) -> None:
+        self._cache.delete(key)
+
+    def all_keys(self) -> Iterator[bytes]:
+        """Every key, file and chunk records alike (a snapshot; safe to delete while iterating)."""
+        return iter(list(self._cache.iterkeys()))
+
+    def __len__(self) -> int:
+        return len(self._cache)

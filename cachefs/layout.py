@@ -1,0 +1,222 @@
+"""Where cached bytes live on the local SSD.
+
+::
+
+    CACHE_DIR/                  mode 0700: copies of possibly private data
+      cachefs-cache.json        marks the directory as ours; records the format
+      lock                      flock()ed by the one daemon using the directory
+      index/                    diskcache (SQLite): what is stored, with checksums
+      data/ab/cdef...           one file per chunk, named by a hash of (path, chunk)
+      tmp/                      fills in progress; swept at every start
+
+Fills are written under ``tmp/`` and renamed into ``data/`` so that a chunk
+file is either absent or complete.  There is no fsync: the checksum in the
+index is verified before every use, so a chunk torn by a power cut is caught
+and refetched, and skipping the flush keeps admissions cheap.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import xxhash
+
+from cachefs.errors import UsageError
+
+FORMAT_VERSION = 1
+MARKER_NAME = "cachefs-cache.json"
+# Allocation granularity assumed when the filesystem has not yet told us
+# (delayed allocation); st_blocks is used when it is larger.
+BLOCK_BYTES = 4096
+
+
+def allocated_bytes(st: os.stat_result) -> int:
+    """Bytes a file occupies on disk, as du counts them."""
+    return max(st.st_blocks * 512, -(-st.st_size // BLOCK_BYTES) * BLOCK_BYTES)
+
+
+class CacheLayout:
+    """Paths and atomic file operations under one cache dir.  Thread safety: stateless."""
+
+    def __init__(self, root: Path, chunk_bytes: int) -> None:
+        self.root = root
+        self.chunk_bytes = chunk_bytes
+        self.index_dir = root / "index"
+        self.data_dir = root / "data"
+        self.tmp_dir = root / "tmp"
+        self._lock_fd: int | None = None
+
+    # -- opening -------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the directory (mode 0700) or check that an existing one is a cachefs cache.
+
+        Never deletes or overwrites anything that is not ours.
+        """
+        marker = self.root / MARKER_NAME
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            entries = set(os.listdir(self.root))
+        except OSError as exc:
+            raise UsageError(
+                f"cannot use cache dir {self.root}: {exc.strerror}; "
+                "choose a writable directory on the local SSD"
+            ) from None
+        if MARKER_NAME in entries:
+            try:
+                info = json.loads(marker.read_text())
+                version, chunk = info["format"], info["chunk_bytes"]
+            except (OSError, ValueError, KeyError, TypeError):
+                raise UsageError(
+                    f"cache dir {self.root} has an unreadable {MARKER_NAME}; "
+                    "run 'cachefs verify' or choose a new directory"
+                ) from None
+            if version != FORMAT_VERSION or chunk != self.chunk_bytes:
+                raise UsageError(
+                    f"cache dir {self.root} was made by another cachefs version "
+                    f"(format {version}); choose a new directory"
+                )
+        elif entries - {"lost+found"}:
+            raise UsageError(
+                f"cache dir {self.root} is not empty and is not a cachefs cache; "
+                "choose an empty or new directory"
+            )
+        else:
+            self._write_marker(marker)
+        if stat.S_IMODE(self.root.stat().st_mode) != 0o700:
+            self.root.chmod(0o700)
+        for sub in (self.index_dir, self.data_dir, self.tmp_dir):
+            sub.mkdir(mode=0o700, exist_ok=True)
+
+    def _write_marker(self, marker: Path) -> None:
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"format": FORMAT_VERSION, "chunk_bytes": self.chunk_bytes}))
+        os.replace(tmp, marker)
+
+    def lock(self) -> None:
+        """Take the cache dir for this process; UsageError when another daemon has it."""
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(
+                f"cache dir {self.root} is in use by another cachefs daemon (pid {holder}); "
+                "unmount it first or choose another --cache-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- chunk files ---------------------------------------------------------------------
+
+    def chunk_name(self, key: bytes) -> str:
+        """``ab/cdef...``: a 128-bit hash of the index key, fanned out over 256 directories."""
+        digest = xxhash.xxh3_128_hexdigest(key)
+        return f"{digest[:2]}/{digest[2:]}"
+
+    def chunk_path(self, key: bytes) -> str:
+        return os.path.join(self.data_dir, self.chunk_name(key))
+
+    def write_chunk(self, key: bytes, data: bytes | memoryview) -> tuple[int, int]:
+        """Store ``data`` atomically; returns (bytes allocated for it, bytes of its directory)."""
+        final = self.chunk_path(key)
+        # Unique per thread: two fills of one key must not write the same temporary file.
+        tmp = os.path.join(self.tmp_dir, f"{os.path.basename(final)}.{threading.get_ident()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            allocated = allocated_bytes(os.fstat(fd))
+        finally:
+            os.close(fd)
+        directory = os.path.dirname(final)
+        try:
+            os.replace(tmp, final)
+        except FileNotFoundError:
+            os.mkdir(directory, 0o700)
+            os.replace(tmp, final)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return allocated, allocated_bytes(os.stat(directory))
+
+    def open_chunk(self, key: bytes) -> int:
+        """A read-only descriptor of a stored chunk (FileNotFoundError when it is gone)."""
+        return os.open(self.chunk_path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+    def remove_chunk(self, key: bytes) -> None:
+        _unlink_quietly(self.chunk_path(key))
+
+    # -- whole-directory walks (startup, verify) -----------------------------------------
+
+    def sweep_tmp(self) -> int:
+        """Remove fills left by a crash; returns how many."""
+        removed = 0
+        for entry in os.scandir(self.tmp_dir):
+            _unlink_quietly(entry.path)
+            removed += 1
+        return removed
+
+    def iter_chunk_files(self) -> Iterator[tuple[str, int]]:
+        """(name as :meth:`chunk_name` gives it, allocated bytes) of every stored chunk file."""
+        for fan in os.scandir(self.data_dir):
+            if not fan.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(fan.path):
+                try:
+                    allocated = allocated_bytes(entry.stat(follow_symlinks=False))
+                except FileNotFoundError:
+                    continue
+                yield f"{fan.name}/{entry.name}", allocated
+
+    def remove_chunk_name(self, name: str) -> None:
+        _unlink_quietly(os.path.join(self.data_dir, name))
+
+    def fixed_bytes(self) -> int:
+        """The cache dir itself, its small files and top-level directories."""
+        total = 0
+        for path in (self.root, self.index_dir, self.data_dir, self.tmp_dir):
+            total += allocated_bytes(os.stat(path))
+        for entry in os.scandir(self.root):
+            if entry.is_file(follow_symlinks=False):
+                total += allocated_bytes(entry.stat(follow_symlinks=False))
+        return total
+
+    def fan_dir_bytes(self) -> dict[str, int]:
+        """Bytes of each fan-out directory under data/: directories grow with their entries."""
+        return {
+            fan.name: allocated_bytes(fan.stat(follow_symlinks=False))
+            for fan in os.scandir(self.data_dir)
+            if fan.is_dir(follow_symlinks=False)
+        }
+
+    def index_bytes(self) -> int:
+        """The index database, its write-ahead log and shared-memory file."""
+        total = 0
+        for entry in os.scandir(self.index_dir):
+            try:
+                total += allocated_bytes(entry.stat(follow_symlinks=False))
+            except FileNotFoundError:
+                continue
+        return total
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

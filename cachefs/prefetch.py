@@ -1,0 +1,298 @@
+"""Fetching hinted files before the DataLoader workers ask for them.
+
+The training loop's sampler knows the next batches; the client sends their
+paths as hints.  Workers here (``--prefetch-concurrency``, tens, as NFS wants
+many requests in flight) fetch each hinted file that is not cached yet: into
+the cache when it is admitted, otherwise into the memory-bounded staging area,
+from which one reader takes it.  Either way the reader finds it local.
+
+Hints are advisory and come from any local user, so each is checked
+(paths.py), the queue is bounded, a hint is counted exactly once by what became
+of it (accepted, cached, invalid, dropped), and a hint the reader has already
+passed is dropped rather than fetched late.
+
+Lock order: ``Prefetcher._cond`` before ``StagingArea._cond``; neither is held across I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import errno
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from cachefs.attr import Attr
+from cachefs.attrcache import AttrCache, relpath_key
+from cachefs.errors import CachefsError, NotInTree
+from cachefs.fetcher import Fetcher
+from cachefs.metrics import Metrics
+from cachefs.paths import Caller, normalize, resolve
+from cachefs.remote import Remote
+from cachefs.staging import StagingArea
+from cachefs.store import CacheStore, chunk_count
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_HINTS = 65_536
+# A hint not started within this time is stale: its reader has moved on.
+HINT_TTL_SECONDS = 300.0
+# Prefetched into the cache but not opened within this time: wasted.
+UNUSED_TTL_SECONDS = 600.0
+MAX_UNUSED_TRACKED = 1_000_000
+STAGING_WAIT_SECONDS = 30.0
+MAINTENANCE_INTERVAL_SECONDS = 5.0
+# Errors that mean the hint named nothing the caller may read.
+_INVALID_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ELOOP, errno.ENAMETOOLONG}
+
+
+@dataclass
+class _Hint:
+    caller: Caller | None
+    received_at: float
+
+
+@dataclass
+class Prefetched:
+    """What a reader opening a file finds already fetched for it."""
+
+    staged: bytes | None = None   # the whole file, from the staging area
+    into_cache: bool = False      # prefetched into the cache and not read since
+
+
+class Prefetcher:
+    """Hint intake and the prefetch workers.
+
+    Thread safety: ``_cond`` guards ``_queue``, ``_active``, ``_staging_fetches``
+    and ``_unused``; intake and readers only ever hold it briefly.
+    """
+
+    def __init__(self, *, mountpoint: str, store: CacheStore, fetcher: Fetcher, remote: Remote,
+                 attrs: AttrCache, staging: StagingArea, metrics: Metrics,
+                 concurrency: int) -> None:
+        self.mountpoint = mountpoint
+        self.store = store
+        self.fetcher = fetcher
+        self.remote = remote
+        self.attrs = attrs
+        self.staging = staging
+        self.metrics = metrics
+        self._hints = {r: metrics.hints.labels(r) for r in ("accepted", "cached", "invalid",
+                                                             "dropped")}
+        self._outcome = {r: metrics.prefetch_files.labels(r) for r in ("used", "wasted",
+                                                                       "failed")}
+        self._cond = threading.Condition()
+        self._queue: collections.OrderedDict[str, _Hint] = collections.OrderedDict()
+        # Files being prefetched now -> whether a reader opened them meanwhile.
+        self._active: dict[str, bool] = {}
+        self._staging_fetches: dict[str, concurrent.futures.Future] = {}
+        # Prefetched into the cache, not yet opened: path -> when.
+        self._unused: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._closed = False
+        self._next_maintenance = 0.0
+        metrics.bind_gauge(metrics.prefetch_queued_files, lambda: len(self._queue))
+        metrics.bind_gauge(metrics.prefetch_inflight_files, lambda: len(self._active))
+        metrics.bind_gauge(metrics.staging_bytes, lambda: staging.used_bytes)
+        self._workers = [
+            threading.Thread(target=self._work, name=f"prefetch-{i}", daemon=True)
+            for i in range(concurrency)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+
+    # -- intake (control connections) ---------------------------------------------------
+
+    def hint(self, raw: bytes, caller: Caller | None) -> None:
+        """Queue one hinted path; never blocks, never raises."""
+        try:
+            relpath = normalize(raw, self.mountpoint)
+        except NotInTree:
+            self._hints["invalid"].inc()
+            return
+        with self._cond:
+            if relpath in self._queue or relpath in self._active \
+                    or len(self._queue) >= MAX_QUEUED_HINTS or self._closed:
+                result = "dropped"
+            else:
+                self._queue[relpath] = _Hint(caller, time.monotonic())
+                self._cond.notify()
+                return
+        self._hints[result].inc()
+
+    # -- readers (FUSE open) ------------------------------------------------------------
+
+    def on_open(self, relpath: str, attr: Attr, timeout: float) -> Prefetched:
+        """Called as a reader opens a file: settle what the prefetcher did for it."""
+        with self._cond:
+            # A hint still queued: the reader got there first, fetching it now is useless.
+            passed = self._queue.pop(relpath, None) is not None
+            if relpath in self._active:
+                self._active[relpath] = True
+            future = self._staging_fetches.get(relpath)
+            into_cache = self._unused.pop(relpath, None) is not None
+        if passed:
+            self._hints["dropped"].inc()
+        if into_cache:
+            self._outcome["used"].inc()
+            return Prefetched(into_cache=True)
+        if future is not None:
+            try:
+                future.result(timeout)
+            except Exception:
+                pass  # the fetch failed: the reader goes to the remote itself
+        if relpath in self.staging:
+            staged = self.staging.take(relpath, attr.version)
+            if staged is not None:
+                self._outcome["used"].inc()
+                return Prefetched(staged=staged)
+        return Prefetched()
+
+    # -- warm (synchronous) ---------------------------------------------------------------
+
+    def fetch_now(self, raw: bytes, caller: Caller | None) -> dict:
+        """Fetch one file into the cache and say how it went (for ``cachefs warm``)."""
+        try:
+            relpath, attr = resolve(normalize(raw, self.mountpoint), self.attrs, self.remote,
+                                    caller)
+        except (NotInTree, FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+            return {"ok": False, "error": f"not a readable file in the tree ({exc})"}
+        key = relpath_key(relpath)
+        if self._cached(key, attr):
+            return {"ok": True, "result": "cached", "bytes": attr.size}
+        if not self.store.admission.eligible(relpath):
+            return {"ok": True, "result": "not_admitted", "bytes": 0}
+        try:
+            self._fetch_into_cache(relpath, key, attr)
+        except (OSError, CachefsError) as exc:
+            return {"ok": False, "error": str(exc) or type(exc).__name__}
+        done = self._cached(key, attr)
+        return {"ok": True, "result": "fetched" if done else "cache_full",
+                "bytes": attr.size if done else 0}
+
+    # -- workers ------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait(MAINTENANCE_INTERVAL_SECONDS)
+                    self._maintain_locked()
+                if self._closed:
+                    return
+                relpath, hint = self._queue.popitem(last=False)
+                stale = time.monotonic() - hint.received_at > HINT_TTL_SECONDS
+                if not stale:
+                    self._active[relpath] = False
+                self._maintain_locked()
+            if stale:
+                self._hints["dropped"].inc()
+                continue
+            try:
+                self._prefetch(relpath, hint.caller)
+            except Exception:
+                log.exception("prefetch of %s failed unexpectedly", relpath)
+            finally:
+                with self._cond:
+                    self._active.pop(relpath, None)
+
+    def _prefetch(self, hinted: str, caller: Caller | None) -> None:
+        try:
+            relpath, attr = resolve(hinted, self.attrs, self.remote, caller)
+        except NotInTree:
+            self._hints["invalid"].inc()
+            return
+        except (OSError, CachefsError) as exc:
+            code = getattr(exc, "errno", None)
+            self._hints["invalid" if code in _INVALID_ERRNOS else "dropped"].inc()
+            return
+        key = relpath_key(relpath)
+        if self._cached(key, attr):
+            self._hints["cached"].inc()
+            return
+        admit = self.store.admitting and self.store.admission.eligible(relpath)
+        if not admit and not self.staging.fits(attr.size):
+            self._hints["dropped"].inc()  # too large to hold in memory: read it directly
+            return
+        self._hints["accepted"].inc()
+        try:
+            if admit:
+                self._fetch_into_cache(relpath, key, attr)
+            else:
+                self._fetch_into_staging(relpath, attr)
+        except (OSError, CachefsError) as exc:
+            self._outcome["failed"].inc()
+            log.debug("prefetch of %s failed: %s", relpath, exc)
+            return
+        with self._cond:
+            opened_meanwhile = self._active.get(relpath, False)
+            if admit and not opened_meanwhile:
+                self._unused[relpath] = time.monotonic()
+        if opened_meanwhile:
+            self._outcome["used"].inc()
+
+    def _cached(self, key: bytes, attr: Attr) -> bool:
+        record = self.store.lookup(key)
+        return record is not None and record.version == attr.version \
+            and self.store.is_complete(record)
+
+    def _fetch_into_cache(self, relpath: str, key: bytes, attr: Attr) -> None:
+        record = self.store.lookup(key)
+        for number in range(chunk_count(attr.size)):
+            if record is not None and record.version == attr.version \
+                    and self.store.chunk_record(key, record, number) is not None:
+                continue
+            self.fetcher.fetch(relpath, key, attr, number, admit=True)
+
+    def _fetch_into_staging(self, relpath: str, attr: Attr) -> None:
+        if not self.staging.reserve(attr.size, STAGING_WAIT_SECONDS):
+            raise CachefsError("no room in the staging area")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._staging_fetches[relpath] = future
+        try:
+            data = self.remote.read(relpath, 0, attr.size, attr.version)
+            self.staging.put(relpath, attr.version, data, reserved=attr.size)
+        except BaseException as exc:
+            self.staging.release(attr.size)
+            future.set_exception(exc)
+            raise
+        else:
+            future.set_result(None)
+        finally:
+            with self._cond:
+                self._staging_fetches.pop(relpath, None)
+
+    def _maintain_locked(self) -> None:
+        """Now and then: count prefetches nobody read as wasted."""
+        now = time.monotonic()
+        if now < self._next_maintenance:
+            return
+        self._next_maintenance = now + MAINTENANCE_INTERVAL_SECONDS
+        cutoff = now - UNUSED_TTL_SECONDS
+        wasted = 0
+        while self._unused and (len(self._unused) > MAX_UNUSED_TRACKED
+                                or next(iter(self._unused.values())) < cutoff):
+            self._unused.popitem(last=False)
+            wasted += 1
+        if wasted:
+            self._outcome["wasted"].inc(wasted)
+        self.staging.expire()
+
+    # -- figures -------------------------------------------------------------------------
+
+    def figures(self) -> dict:
+        return {"queued": len(self._queue), "inflight": len(self._active)}
+
+
+def hint_lines(paths: list[str]) -> bytes:
+    """The wire form of hints, for tools written in Python (tests, warm)."""
+    return b"".join(b"HINT " + os.fsencode(p) + b"\n" for p in paths)

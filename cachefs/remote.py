@@ -1,0 +1,238 @@
+"""The remote tree (BACKING: an NFS mount in production), with every call bounded in time.
+
+An NFS server that stops answering makes system calls block, possibly for
+ever, and a blocked thread cannot be interrupted.  So every remote call runs on
+a worker of a bounded pool and the caller waits at most ``timeout`` seconds,
+then gets :class:`RemoteUnavailable` (EIO for a reader) while the worker stays
+stuck until the server answers.  A timeout marks the remote unavailable; a
+probe then stats the root every second and marks it available again when it
+answers, so cached files are served without waiting on the remote meanwhile.
+
+Paths are relative to BACKING ("" is its root) and never follow a symlink in
+their last component.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from cachefs.attr import Attr, Version
+from cachefs.errors import RemoteChanged, RemoteUnavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PROBE_INTERVAL_SECONDS = 1.0
+
+
+class Remote:
+    """Bounded-time access to BACKING.
+
+    Thread safety: all methods may be called from any thread.  ``_state_lock``
+    guards the availability flag and the probe; it is a leaf lock.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        timeout_seconds: float,
+        *,
+        threads: int = 64,
+        on_read_bytes: Callable[[int], None] = lambda n: None,
+        on_error: Callable[[str], None] = lambda kind: None,
+        on_availability: Callable[[bool], None] = lambda up: None,
+    ) -> None:
+        self.root = root
+        self.timeout_seconds = timeout_seconds
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="remote")
+        self._on_read_bytes = on_read_bytes
+        self._on_error = on_error
+        self._on_availability = on_availability
+        self._state_lock = threading.Lock()
+        self._available = True
+        self._probing = False
+        self._closed = False
+
+    def close(self) -> None:
+        self._closed = True
+        # Workers stuck on a hung server must not keep the process alive.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def path(self, relpath: str) -> str:
+        return os.path.join(self.root, relpath) if relpath else self.root
+
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    # -- the one way to call the remote ----------------------------------------------------
+
+    def call(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on a pool worker, waiting at most the timeout.
+
+        OSErrors keep their errno; a timeout raises RemoteUnavailable.
+        """
+        if self._closed:
+            raise RemoteUnavailable("the daemon is shutting down")
+        future = self._pool.submit(fn, *args)
+        try:
+            result = future.result(self.timeout_seconds)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self._on_error("timeout")
+            self._mark_unavailable(f"no answer within {self.timeout_seconds:g} s")
+            raise RemoteUnavailable(
+                f"the remote did not answer within {self.timeout_seconds:g} s") from None
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:  # a missing name is an answer, not a fault
+                self._on_error(_error_kind(exc))
+            raise
+        return result
+
+    def _mark_unavailable(self, why: str) -> None:
+        with self._state_lock:
+            if self._available:
+                self._available = False
+                log.error("remote %s is not answering (%s): serving cached files only",
+                          self.root, why)
+                self._on_availability(False)
+            if self._probing or self._closed:
+                return
+            self._probing = True
+        threading.Thread(target=self._probe, name="remote-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        """Stat the root until it answers, then mark the remote available."""
+        while not self._closed:
+            time.sleep(PROBE_INTERVAL_SECONDS)
+            future = self._pool.submit(os.lstat, self.root)
+            try:
+                future.result(self.timeout_seconds)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                continue
+            except OSError:
+                continue
+            with self._state_lock:
+                self._available = True
+                self._probing = False
+                log.warning("remote %s answers again", self.root)
+                self._on_availability(True)
+            return
+
+    # -- operations ------------------------------------------------------------------------
+
+    def lstat(self, relpath: str) -> Attr:
+        return Attr.from_stat(self.call(os.lstat, self.path(relpath)))
+
+    def listdir(self, relpath: str) -> list[tuple[str, int]]:
+        """(name, file type bits) of each entry; the type comes free with the listing."""
+        return self.call(_scan, self.path(relpath))
+
+    def statvfs(self) -> os.statvfs_result:
+        return self.call(os.statvfs, self.root)
+
+    def readlink(self, relpath: str) -> str:
+        return self.call(os.readlink, self.path(relpath))
+
+    def read(self, relpath: str, offset: int, length: int, expected: Version) -> bytes:
+        """``length`` bytes at ``offset`` of the file, which must still be version ``expected``.
+
+        One pool job opens, checks, reads and closes, so a hung server costs one
+        timeout, not one per step.  RemoteChanged when the file is another version.
+        """
+        data = self.call(_read_range, self.path(relpath), offset, length, expected)
+        self._on_read_bytes(len(data))
+        return data
+
+    def open(self, relpath: str, expected: Version) -> RemoteFile:
+        """An open remote file for a reader that reads it piecemeal."""
+        fd = self.call(_open_checked, self.path(relpath), expected)
+        return RemoteFile(self, fd, expected)
+
+
+class RemoteFile:
+    """A descriptor of a remote file, for reads that do not go through the cache.
+
+    Thread safety: pread on a shared descriptor is safe; close once.
+    """
+
+    def __init__(self, remote: Remote, fd: int, version: Version) -> None:
+        self._remote = remote
+        self.fd = fd
+        self.version = version
+
+    def pread(self, offset: int, length: int) -> bytes:
+        data = self._remote.call(_pread_full, self.fd, length, offset)
+        self._remote._on_read_bytes(len(data))
+        return data
+
+    def close(self) -> None:
+        # A close on a hung server blocks too: hand it to a worker, do not wait.
+        try:
+            self._remote._pool.submit(os.close, self.fd)
+        except RuntimeError:  # pool shut down
+            os.close(self.fd)
+
+
+def _scan(path: str) -> list[tuple[str, int]]:
+    with os.scandir(path) as it:
+        return [(entry.name, _dirent_type(entry)) for entry in it]
+
+
+def _dirent_type(entry: os.DirEntry) -> int:
+    if entry.is_symlink():
+        return stat.S_IFLNK
+    if entry.is_dir(follow_symlinks=False):
+        return stat.S_IFDIR
+    return stat.S_IFREG
+
+
+def _open_checked(path: str, expected: Version) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if Version(st.st_size, st.st_mtime_ns) != expected:
+            raise RemoteChanged(f"{path} changed on the remote")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_range(path: str, offset: int, length: int, expected: Version) -> bytes:
+    fd = _open_checked(path, expected)
+    try:
+        return _pread_full(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
+def _pread_full(fd: int, length: int, offset: int) -> bytes:
+    """pread until ``length`` bytes or end of file (NFS may return short reads)."""
+    data = os.pread(fd, length, offset)
+    if len(data) == length or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < length:
+        more = os.pread(fd, length - got, offset + got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _error_kind(exc: OSError) -> str:
+    return {errno.ESTALE: "estale", errno.EACCES: "eacces",
+            errno.EIO: "eio"}.get(exc.errno or 0, "other")

@@ -1,0 +1,46 @@
+"""`cachefs verify`: check every stored chunk against its checksum, drop the bad ones.
+
+Runs on a cache dir that no daemon is using (it takes the same lock).  Only
+corrupt, missing or unaccounted data is dropped: the fraction and budget of the
+mount that made the cache are not known here, so nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from cachefs.admission import FractionAdmission
+from cachefs.errors import UsageError
+from cachefs.layout import MARKER_NAME
+from cachefs.sizes import format_bytes
+from cachefs.store import CacheStore
+
+
+def verify(cache_dir: Path, *, as_json: bool = False) -> int:
+    """Verify and repair ``cache_dir``; prints a report; 0 when it was clean."""
+    if not (cache_dir / MARKER_NAME).is_file():
+        raise UsageError(f"{cache_dir} is not a cachefs cache dir (no {MARKER_NAME})")
+    started = time.monotonic()
+    store = CacheStore.open(cache_dir, capacity_bytes=2**62, admission=FractionAdmission(1.0),
+                            verify_data=True)
+    report = store.startup_report
+    store.close()
+    elapsed = time.monotonic() - started
+    if as_json:
+        print(json.dumps({**dataclasses.asdict(report), "seconds": round(elapsed, 2)}))
+    else:
+        print(f"verified {report.chunks_verified:,} chunks of {report.files:,} files "
+              f"({format_bytes(report.data_bytes)}) in {elapsed:.1f} s")
+        for label, value in (("corrupt chunks dropped", report.corrupt_chunks),
+                             ("missing chunks dropped", report.missing_chunks),
+                             ("unaccounted files removed", report.orphan_files),
+                             ("inconsistent records dropped", report.miscounted_files),
+                             ("unfinished fills removed", report.leftover_fills)):
+            if value:
+                print(f"  {label}: {value:,}")
+        if not report.problems:
+            print("  no problems found")
+    return 1 if report.problems else 0

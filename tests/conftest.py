@@ -1,0 +1,209 @@
+"""Fixtures that build real mounts: an emulated NFS remote and cachefs in front of it.
+
+Every mount made here is unmounted in teardown, even when the test failed or
+the daemon hung (``fusermount -uz``, then SIGKILL), and a failing test gets the
+daemon's log appended to its report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachefs.mountpoint import find_mount, unmount
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cachefs(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    """The cachefs CLI as a user runs it, in a child process."""
+    return subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, **kwargs)
+
+
+class CachefsMount:
+    """A cachefs daemon serving ``backing`` at ``path``, started through the real CLI."""
+
+    def __init__(self, backing: Path, path: Path, cache_dir: Path, log_file: Path,
+                 options: dict[str, object]) -> None:
+        self.backing = backing
+        self.path = path
+        self.cache_dir = cache_dir
+        self.log_file = log_file
+        self.options = options
+        self.pid: int | None = None
+        self.metrics_url: str | None = None
+
+    def command(self) -> list[str]:
+        args = ["mount", str(self.backing), str(self.path), "--cache-dir", str(self.cache_dir),
+                "--log-file", str(self.log_file)]
+        for key, value in self.options.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif value is not None and value is not False:
+                args += [flag, str(value)]
+        return args
+
+    def start(self) -> CachefsMount:
+        self.path.mkdir(parents=True, exist_ok=True)
+        result = run_cachefs(*self.command())
+        if result.returncode != 0:
+            raise RuntimeError(f"cachefs mount failed: {result.stderr.strip()}\n{self.log_tail()}")
+        status = self.status()
+        self.pid = status["pid"]
+        self.metrics_url = status["metrics_url"]
+        return self
+
+    def status(self) -> dict:
+        result = run_cachefs("status", "--json", str(self.path))
+        if result.returncode != 0:
+            raise RuntimeError(f"cachefs status failed: {result.stderr.strip()}")
+        return json.loads(result.stdout)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Every sample of the /metrics endpoint: {(name, sorted label items): value}."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return samples
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def stop(self) -> None:
+        """Unmount and wait for the daemon; escalate until nothing is left mounted."""
+        if find_mount(self.path) is not None:
+            result = run_cachefs("unmount", str(self.path), timeout=60)
+            if result.returncode != 0 and find_mount(self.path) is not None:
+                unmount(self.path, lazy=True)
+        self._reap()
+
+    def kill(self) -> None:
+        """SIGKILL the daemon, leaving a stale mount behind, as a crash would."""
+        if self.pid:
+            os.kill(self.pid, signal.SIGKILL)
+            self._reap()
+
+    def _reap(self) -> None:
+        if not self.pid:
+            return
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(self.pid, signal.SIGKILL)
+        self.pid = None
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return "(no daemon log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    """The directory the emulated remote serves (tests write the dataset here)."""
+    path = tmp_path / "source"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def remote(tmp_path: Path, source: Path) -> Iterator:
+    """An NFS-like remote over ``source``, without added latency unless a test sets it."""
+    from bench.remote import EmulatedRemote
+
+    (tmp_path / "remote").mkdir()
+    emulator = EmulatedRemote(source, tmp_path / "remote", profile="local",
+                              log_file=tmp_path / "slowfs.log")
+    try:
+        yield emulator.start()
+    finally:
+        emulator.stop()
+
+
+@pytest.fixture
+def mount_cachefs(tmp_path: Path, request) -> Iterator:
+    """Factory: ``mount_cachefs(backing, **options)`` -> a serving CachefsMount."""
+    mounts: list[CachefsMount] = []
+
+    def factory(backing: Path, *, name: str = "mnt", cache_dir: Path | None = None,
+                **options) -> CachefsMount:
+        options.setdefault("cache_size", "1G")
+        options.setdefault("metrics_addr", "127.0.0.1:0")
+        mount = CachefsMount(backing, tmp_path / name, cache_dir or tmp_path / "cache",
+                             tmp_path / f"{name}.log", options)
+        mounts.append(mount)
+        return mount.start()
+
+    yield factory
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    for mount in mounts:
+        if failed:
+            sys.stderr.write(f"\n--- cachefs log of {mount.path} ---\n{mount.log_tail()}\n")
+        mount.stop()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    setattr(item, "rep_" + report.when, report)
+    return report
+
+
+def shuffled_read_all(root: Path, paths: list[str], seed: int) -> dict[str, bytes]:
+    """Read every file once in a shuffled order, as an epoch of training does."""
+    import random
+
+    order = list(paths)
+    random.Random(seed).shuffle(order)
+    contents = {}
+    for rel in order:
+        with open(root / rel, "rb") as f:
+            contents[rel] = f.read()
+    return contents
+
+
+def make_files(root: Path, count: int, size: int | tuple[int, int] = 4096, *,
+               seed: int = 0, per_dir: int = 200) -> list[str]:
+    """``count`` files of random bytes in class-like subdirectories; returns relative paths."""
+    import random
+
+    rng = random.Random(seed)
+    paths = []
+    for i in range(count):
+        rel = f"class{i // per_dir:04d}/img{i:06d}.bin"
+        length = size if isinstance(size, int) else rng.randint(*size)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(rng.randbytes(length))
+        paths.append(rel)
+    return paths
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes under ``path`` as du counts them: allocated blocks of files and directories."""
+    total = os.lstat(path).st_blocks * 512
+    for directory, dirs, files in os.walk(path):
+        for name in dirs + files:
+            total += os.lstat(os.path.join(directory, name)).st_blocks * 512
+    return total

@@ -1,0 +1,144 @@
+"""The cache keeps a stable random fraction, stays within its budget, survives restarts,
+never serves stale bytes after the revalidation interval, and says so in its metrics."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import time
+
+import pytest
+import xxhash
+
+from tests.conftest import disk_usage, make_files, shuffled_read_all
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def eligible(rel: str, fraction: float, seed: int) -> bool:
+    """The documented admission rule, written out independently of cachefs."""
+    return xxhash.xxh64_intdigest(rel.encode(), seed=seed) / 2**64 < fraction
+
+
+def opens(mount) -> tuple[float, float]:
+    m = mount.metrics()
+    return (m[("cachefs_file_opens_total", (("result", "hit"),))],
+            m[("cachefs_file_opens_total", (("result", "miss"),))])
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.5])
+def test_second_shuffled_pass_hits_the_fraction(source, remote, mount_cachefs, fraction):
+    count, seed = 2000, 11
+    rels = make_files(source, count, size=(500, 3000))
+    mount = mount_cachefs(remote.path, fraction=fraction, seed=seed)
+
+    first = shuffled_read_all(mount.path, rels, seed=1)
+    hits_before, misses_before = opens(mount)
+    second = shuffled_read_all(mount.path, rels, seed=2)
+    hits_after, misses_after = opens(mount)
+
+    hits = hits_after - hits_before
+    assert hits + (misses_after - misses_before) == count
+    # Exactly the files the documented rule admits, and so F within sampling error.
+    assert hits == sum(eligible(r, fraction, seed) for r in rels)
+    sigma = math.sqrt(fraction * (1 - fraction) / count)
+    assert abs(hits / count - fraction) < 4 * sigma
+    assert first == second == {r: (source / r).read_bytes() for r in rels}
+
+
+def test_budget_is_never_exceeded_and_the_cached_set_is_stable(source, remote, mount_cachefs):
+    rels = make_files(source, 2000, size=8192)  # 16 MiB of data, 8 MiB of cache
+    capacity = 8 * 2**20
+    mount = mount_cachefs(remote.path, cache_size=capacity, fraction=1.0)
+
+    shuffled_read_all(mount.path, rels, seed=1)
+    assert disk_usage(mount.cache_dir) <= capacity
+    assert mount.metric("cachefs_cache_bytes") <= capacity
+    assert mount.metric("cachefs_cache_admitting") == 0  # full: admission stopped
+    cached = mount.metric("cachefs_cache_files")
+    assert 0.3 * len(rels) < cached < 0.5 * len(rels)
+
+    for epoch in (2, 3):
+        before = opens(mount)
+        shuffled_read_all(mount.path, rels, seed=epoch)
+        after = opens(mount)
+        # Nothing evicted, nothing added: every epoch hits exactly the cached files.
+        assert after[0] - before[0] == cached
+        assert mount.metric("cachefs_cache_files") == cached
+        assert disk_usage(mount.cache_dir) <= capacity
+
+
+def test_restart_serves_cached_files_without_remote_reads(source, remote, mount_cachefs):
+    rels = make_files(source, 300, size=(1000, 60_000))
+    (source / "shard.bin").write_bytes(os.urandom(10 * 2**20))
+    rels.append("shard.bin")
+    mount = mount_cachefs(remote.path)
+    want = shuffled_read_all(mount.path, rels, seed=1)
+    mount.stop()
+
+    remote_before = remote.stats()["read_bytes"]
+    again = mount.start()
+    got = shuffled_read_all(again.path, rels, seed=2)
+    assert got == want
+    assert again.metric("cachefs_remote_read_bytes_total") == 0
+    assert again.metric("cachefs_file_opens_total", result="hit") == len(rels)
+    assert remote.stats()["read_bytes"] == remote_before
+
+
+def test_changed_remote_file_is_not_served_stale(source, remote, mount_cachefs):
+    (source / "label.txt").write_bytes(b"version one\n")
+    mount = mount_cachefs(remote.path, revalidate=1)
+    assert (mount.path / "label.txt").read_bytes() == b"version one\n"
+    assert (mount.path / "label.txt").read_bytes() == b"version one\n"
+    assert mount.metric("cachefs_file_opens_total", result="hit") == 1
+
+    (source / "label.txt").write_bytes(b"version two, longer\n")
+    # The promise: after the interval (plus the kernel's 1 s attribute cache), new bytes.
+    time.sleep(2.2)
+    assert (mount.path / "label.txt").read_bytes() == b"version two, longer\n"
+
+    # Same size, new mtime: still detected.
+    (source / "label.txt").write_bytes(b"version 3!, longer\n\n")
+    time.sleep(2.2)
+    assert (mount.path / "label.txt").read_bytes() == b"version 3!, longer\n\n"
+
+
+def test_revalidate_never_trusts_the_cache(source, remote, mount_cachefs):
+    (source / "frozen.bin").write_bytes(b"immutable dataset\n")
+    mount = mount_cachefs(remote.path, revalidate="never")
+    assert (mount.path / "frozen.bin").read_bytes() == b"immutable dataset\n"
+    mount.stop()
+    mount.start()
+    # Any remote round trip for this file now fails: attributes and bytes must come from the
+    # index and the cache alone.
+    remote.set_fault("errno", errno=errno.EIO, glob="*frozen.bin")
+    assert (mount.path / "frozen.bin").read_bytes() == b"immutable dataset\n"
+    assert mount.metric("cachefs_remote_read_bytes_total") == 0
+
+
+def test_metrics_and_status_report_what_happened(source, remote, mount_cachefs):
+    rels = make_files(source, 100, size=1000)
+    mount = mount_cachefs(remote.path, fraction=1.0, cache_size="64MiB")
+    shuffled_read_all(mount.path, rels, seed=1)
+    shuffled_read_all(mount.path, rels, seed=2)
+
+    m = mount.metrics()
+    assert m[("cachefs_file_opens_total", (("result", "hit"),))] == 100
+    assert m[("cachefs_file_opens_total", (("result", "miss"),))] == 100
+    assert m[("cachefs_read_bytes_total", (("source", "cache"),))] == 100 * 1000
+    assert m[("cachefs_read_bytes_total", (("source", "remote"),))] == 100 * 1000
+    assert m[("cachefs_remote_read_bytes_total", ())] == 100 * 1000
+    assert m[("cachefs_cache_capacity_bytes", ())] == 64 * 2**20
+    assert m[("cachefs_cache_files", ())] == 100
+    assert 100 * 4096 <= m[("cachefs_cache_bytes", ())] <= 64 * 2**20
+    assert m[("cachefs_read_seconds_count", ())] >= 200
+    for (_name, labels) in m:
+        for _key, value in labels:
+            assert "/" not in value and "img" not in value  # never a path as a label
+
+    status = mount.status()
+    assert status["hit_ratio"] == pytest.approx(0.5)
+    assert status["cache_files"] == 100
+    assert status["remote_read_bytes"] == 100 * 1000
+    assert status["cache_capacity_bytes"] == 64 * 2**20

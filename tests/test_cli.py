@@ -1,0 +1,196 @@
+"""Bad input to `cachefs mount` gets one line naming the problem and the fix, a non-zero
+exit, nothing mounted, and nothing already in the cache dir lost."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from cachefs.mountpoint import find_mount
+from tests.conftest import make_files, run_cachefs
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def snapshot(path) -> dict[str, bytes]:
+    found = {}
+    for directory, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(directory, name)
+            with open(full, "rb") as f:
+                found[os.path.relpath(full, path)] = f.read()
+    return found
+
+
+@pytest.fixture
+def setup(tmp_path, source):
+    make_files(source, 20, size=1000)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    return source, mnt, tmp_path / "cache"
+
+
+def assert_refused(result, *words, mnt=None):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word.lower() in lines[0].lower(), lines[0]
+    if mnt is not None:
+        assert find_mount(mnt) is None
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--cache-size", "lots"], ["--cache-size", "not a size"]),
+    (["--cache-size", "1K"], ["--cache-size", "minimum"]),
+    (["--cache-size", "-5G"], ["--cache-size"]),
+    (["--fraction", "1.5"], ["--fraction", "between 0 and 1"]),
+    (["--fraction", "half"], ["--fraction"]),
+    (["--seed", "-1"], ["--seed"]),
+    (["--revalidate", "sometimes"], ["--revalidate", "never"]),
+    (["--remote-timeout", "0"], ["--remote-timeout"]),
+    (["--metrics-addr", "localhost:99999"], ["--metrics-addr", "out of range"]),
+    (["--prefetch-concurrency", "0"], ["--prefetch-concurrency"]),
+    (["--bogus-flag"], ["unrecognized arguments"]),
+])
+def test_bad_flags(setup, flags, words):
+    source, mnt, cache = setup
+    args = ["mount", str(source), str(mnt), "--cache-dir", str(cache), "--cache-size", "1G"]
+    result = run_cachefs(*args, *flags)
+    assert_refused(result, *words, mnt=mnt)
+    assert not cache.exists()
+
+
+def test_missing_required_settings(setup):
+    source, mnt, cache = setup
+    assert_refused(run_cachefs("mount", str(source), str(mnt), "--cache-size", "1G"),
+                   "cache-dir")
+    assert_refused(run_cachefs("mount", str(source), str(mnt), "--cache-dir", str(cache)),
+                   "cache-size")
+
+
+def test_bad_paths(setup, tmp_path):
+    source, mnt, cache = setup
+    base = ["--cache-dir", str(cache), "--cache-size", "1G"]
+    assert_refused(run_cachefs("mount", str(tmp_path / "nope"), str(mnt), *base),
+                   "BACKING", "does not exist", mnt=mnt)
+    assert_refused(run_cachefs("mount", str(source / "class0000" / "img000000.bin"), str(mnt),
+                               *base), "not a directory", mnt=mnt)
+    assert_refused(run_cachefs("mount", str(source), str(tmp_path / "nomnt"), *base),
+                   "MOUNTPOINT", "does not exist")
+    (mnt / "stray").write_text("x")
+    assert_refused(run_cachefs("mount", str(source), str(mnt), *base), "not empty", mnt=mnt)
+    (mnt / "stray").unlink()
+    assert_refused(run_cachefs("mount", str(source), str(mnt), "--cache-dir",
+                               str(source / "cache"), "--cache-size", "1G"),
+                   "inside BACKING", mnt=mnt)
+    assert_refused(run_cachefs("mount", str(source), str(mnt), "--cache-dir",
+                               str(mnt / "cache"), "--cache-size", "1G"), mnt=mnt)
+    assert_refused(run_cachefs("mount", str(source), str(source / "class0000"), *base),
+                   "contain each other")
+
+
+def test_cache_dir_that_is_not_a_cache_is_left_alone(setup):
+    source, mnt, cache = setup
+    cache.mkdir()
+    (cache / "thesis.tex").write_text("precious")
+    result = run_cachefs("mount", str(source), str(mnt), "--cache-dir", str(cache),
+                         "--cache-size", "1G", "--metrics-addr", "0")
+    assert_refused(result, "not empty", "not a cachefs cache", mnt=mnt)
+    assert snapshot(cache) == {"thesis.tex": b"precious"}
+
+
+def test_already_mounted_and_cache_in_use(setup, remote, mount_cachefs, tmp_path):
+    source, mnt, cache = setup
+    first = mount_cachefs(remote.path)
+    contents = snapshot(first.cache_dir)
+    other = tmp_path / "other"
+    other.mkdir()
+    assert_refused(run_cachefs("mount", str(remote.path), str(first.path), "--cache-dir",
+                               str(tmp_path / "c2"), "--cache-size", "1G", "--metrics-addr", "0"),
+                   "already mounted")
+    assert_refused(run_cachefs("mount", str(remote.path), str(other), "--cache-dir",
+                               str(first.cache_dir), "--cache-size", "1G", "--metrics-addr", "0"),
+                   "in use by another cachefs daemon", mnt=other)
+    assert snapshot(first.cache_dir).keys() >= contents.keys()
+
+
+def test_metrics_port_in_use(setup):
+    source, mnt, cache = setup
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cachefs("mount", str(source), str(mnt), "--cache-dir", str(cache),
+                             "--cache-size", "1G", "--metrics-addr", f"127.0.0.1:{port}")
+    assert_refused(result, "metrics", "--metrics-addr", mnt=mnt)
+
+
+@pytest.mark.parametrize("content, words", [
+    ("cache_size = \n", ["not valid TOML"]),
+    ("cache_sise = '1G'\n", ["unknown setting", "cache_sise"]),
+    ("fraction = 'most'\n", ["fraction in", "not a fraction"]),
+    ("cache_size = 12\n", ["cache_size in", "minimum"]),
+])
+def test_bad_config_files(setup, tmp_path, content, words):
+    source, mnt, cache = setup
+    config = tmp_path / "bad.toml"
+    config.write_text(f"backing = '{source}'\ncache_dir = '{cache}'\n" + content)
+    result = run_cachefs("mount", "--config", str(config), str(source), str(mnt))
+    assert_refused(result, *words, mnt=mnt)
+
+
+def test_unreadable_config(setup, tmp_path):
+    source, mnt, _cache = setup
+    assert_refused(run_cachefs("mount", "--config", str(tmp_path / "none.toml")),
+                   "does not exist")
+    assert_refused(run_cachefs("mount", "--config", str(tmp_path)), "directory")
+
+
+def test_config_file_mounts_and_flags_override(source, remote, tmp_path):
+    make_files(source, 10, size=100)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    config = tmp_path / "dataset.toml"
+    config.write_text(
+        f"backing = '{remote.path}'\nmountpoint = '{mnt}'\ncache_dir = '{tmp_path / 'cache'}'\n"
+        "cache_size = '100MiB'\nfraction = 0.25\nmetrics_addr = '0'\nrevalidate = 'never'\n")
+    result = run_cachefs("mount", "--config", str(config), "--fraction", "0.75",
+                         "--log-file", str(tmp_path / "log"))
+    try:
+        assert result.returncode == 0, result.stderr
+        status = run_cachefs("status", "--json", str(mnt))
+        import json
+
+        st = json.loads(status.stdout)
+        assert st["fraction"] == 0.75
+        assert st["revalidate_seconds"] is None
+        assert st["cache_capacity_bytes"] == 100 * 2**20
+        assert st["metrics_url"] is None
+    finally:
+        run_cachefs("unmount", str(mnt))
+    assert find_mount(mnt) is None
+
+
+def test_stale_mount_is_cleaned_up_and_reported(source, remote, mount_cachefs):
+    make_files(source, 10, size=100)
+    mount = mount_cachefs(remote.path)
+    mount.kill()
+    with pytest.raises(OSError):
+        os.stat(mount.path)  # Transport endpoint is not connected
+    result = run_cachefs(*mount.command())
+    assert result.returncode == 0, result.stderr
+    assert "stale mount" in result.stderr
+    mount.pid = mount.status()["pid"]
+    assert (mount.path / "class0000" / "img000000.bin").read_bytes() == \
+        (source / "class0000" / "img000000.bin").read_bytes()
+
+
+def test_status_and_unmount_of_something_else(tmp_path):
+    result = run_cachefs("status", str(tmp_path))
+    assert_refused(result, "not a cachefs mount")
+    result = run_cachefs("unmount", str(tmp_path))
+    assert_refused(result, "not mounted")

@@ -1,0 +1,342 @@
+"""Tests of the slow NFS-like remote emulator (bench.slowfs, bench.remote) on real FUSE mounts.
+
+They check what a user of the mount sees: the same bytes and metadata as SOURCE, a read-only
+file system, changes in SOURCE visible at once, ESTALE on files replaced under an open fd,
+injected faults, and latency and bandwidth that are really paid.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import slowfs
+from bench.remote import EmulatedRemote
+
+NON_UTF8 = b"raw-\xff.bin"
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    src = tmp_path / "source"
+    (src / "sub").mkdir(parents=True)
+    (src / "empty").write_bytes(b"")
+    (src / "a.txt").write_bytes(b"hello remote\n")
+    (src / "sub" / "random.bin").write_bytes(os.urandom(5_000_000))
+    (src / "données-é.txt").write_bytes(b"non-ASCII name\n")
+    with open(os.path.join(os.fsencode(src), NON_UTF8), "wb") as f:
+        f.write(b"non-UTF-8 name\n")
+    os.symlink("sub/random.bin", src / "link")
+    os.symlink("/nowhere/at/all", src / "dangling")
+    return src
+
+
+@pytest.fixture
+def start_remote(tmp_path: Path, source: Path):
+    """Start an EmulatedRemote of `source` (profile "local" unless told); stop all at teardown."""
+    remotes: list[EmulatedRemote] = []
+
+    def start(**options) -> EmulatedRemote:
+        mountpoint = tmp_path / f"mnt{len(remotes)}"
+        mountpoint.mkdir()
+        options.setdefault("profile", "local")
+        remote = EmulatedRemote(source, mountpoint, log_file=tmp_path / "slowfs.log", **options)
+        remotes.append(remote)
+        return remote.start()
+
+    yield start
+    for remote in remotes:
+        remote.stop()
+    assert not any(slowfs.is_mounted(r.path) for r in remotes)
+
+
+def read(path: Path | bytes) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def errno_of(fn, *args) -> int | None:
+    try:
+        fn(*args)
+    except OSError as e:
+        return e.errno
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_mount_shows_source_exactly(source: Path, start_remote) -> None:
+    remote = start_remote(profile="efs")
+    src, mnt = os.fsencode(source), os.fsencode(remote.path)
+    assert sorted(os.listdir(mnt)) == sorted(os.listdir(src))
+    for rel in [b"empty", b"a.txt", b"sub/random.bin", "données-é.txt".encode(), NON_UTF8]:
+        assert read(os.path.join(mnt, rel)) == read(os.path.join(src, rel)), rel
+        theirs, ours = os.lstat(os.path.join(src, rel)), os.lstat(os.path.join(mnt, rel))
+        for field in ("st_size", "st_mode", "st_uid", "st_gid", "st_nlink", "st_ino",
+                      "st_mtime_ns", "st_ctime_ns"):
+            assert getattr(ours, field) == getattr(theirs, field), (rel, field)
+    for link in ("link", "dangling"):  # shown as symlinks, never followed by the daemon
+        assert (remote.path / link).is_symlink()
+        assert os.readlink(remote.path / link) == os.readlink(source / link)
+    assert read(remote.path / "link") == read(source / "sub" / "random.bin")
+    assert os.statvfs(remote.path).f_blocks == os.statvfs(source).f_blocks
+
+
+@pytest.mark.timeout(60)
+def test_sparse_file_over_4gib(source: Path, start_remote) -> None:
+    offset = 4_500_000_000
+    with open(source / "huge.bin", "wb") as f:
+        f.truncate(5 << 30)
+        f.seek(offset)
+        f.write(b"beyond 4 GiB")
+    remote = start_remote()
+    assert (remote.path / "huge.bin").stat().st_size == 5 << 30
+    fd = os.open(remote.path / "huge.bin", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 12, offset) == b"beyond 4 GiB"
+        assert os.pread(fd, 4, (5 << 30) - 4) == b"\0" * 4
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(60)
+def test_mount_is_read_only(source: Path, start_remote) -> None:
+    remote = start_remote()
+    mnt = remote.path
+    attempts = {
+        "create": lambda: os.open(mnt / "new.txt", os.O_WRONLY | os.O_CREAT),
+        "write": lambda: os.open(mnt / "a.txt", os.O_RDWR),
+        "append": lambda: os.open(mnt / "a.txt", os.O_WRONLY | os.O_APPEND),
+        "mkdir": lambda: os.mkdir(mnt / "newdir"),
+        "unlink": lambda: os.unlink(mnt / "a.txt"),
+        "rename": lambda: os.rename(mnt / "a.txt", mnt / "b.txt"),
+        "symlink": lambda: os.symlink("a.txt", mnt / "newlink"),
+        "chmod": lambda: os.chmod(mnt / "a.txt", 0o600),
+        "truncate": lambda: os.truncate(mnt / "a.txt", 0),
+        "utime": lambda: os.utime(mnt / "a.txt", (0, 0)),
+    }
+    for name, attempt in attempts.items():
+        assert errno_of(attempt) == errno.EROFS, name
+    assert read(source / "a.txt") == b"hello remote\n"
+    assert sorted(os.listdir(mnt)) == sorted(os.listdir(source))
+
+
+@pytest.mark.timeout(60)
+def test_changes_in_source_show_at_once(source: Path, start_remote) -> None:
+    remote = start_remote()
+    mnt = remote.path
+    assert read(mnt / "a.txt") == b"hello remote\n"
+    (source / "a.txt").write_bytes(b"rewritten, and longer than before\n")
+    assert read(mnt / "a.txt") == b"rewritten, and longer than before\n"
+    assert (mnt / "a.txt").stat().st_size == 34
+    (source / "added.txt").write_bytes(b"new")
+    assert "added.txt" in os.listdir(mnt)
+    assert read(mnt / "added.txt") == b"new"
+    (source / "added.txt").unlink()
+    assert errno_of(os.stat, mnt / "added.txt") == errno.ENOENT
+    assert "added.txt" not in os.listdir(mnt)
+
+
+@pytest.mark.timeout(60)
+def test_open_file_goes_stale_when_removed_or_replaced(source: Path, start_remote) -> None:
+    remote = start_remote()
+    removed = os.open(remote.path / "a.txt", os.O_RDONLY)
+    replaced = os.open(remote.path / "sub" / "random.bin", os.O_RDONLY)
+    try:
+        assert os.pread(removed, 5, 0) == b"hello"
+        (source / "a.txt").unlink()
+        assert errno_of(os.stat, remote.path / "a.txt") == errno.ENOENT
+        assert errno_of(os.pread, removed, 5, 0) == errno.ESTALE
+        assert errno_of(os.lseek, removed, 0, os.SEEK_END) == errno.ESTALE  # getattr by fd
+
+        (source / "sub" / "new.bin").write_bytes(b"replacement")
+        os.replace(source / "sub" / "new.bin", source / "sub" / "random.bin")
+        assert errno_of(os.pread, replaced, 5, 0) == errno.ESTALE
+        assert read(remote.path / "sub" / "random.bin") == b"replacement"  # a new open is fine
+    finally:
+        os.close(removed)
+        os.close(replaced)
+
+
+@pytest.mark.timeout(60)
+def test_errno_fault_and_clear(source: Path, start_remote) -> None:
+    remote = start_remote()
+    mnt = remote.path
+    remote.set_fault("errno", errno=errno.EIO, ops=["read"], glob="sub/*.bin")
+    assert errno_of(read, mnt / "sub" / "random.bin") == errno.EIO
+    assert read(mnt / "a.txt") == b"hello remote\n"  # glob does not match
+    remote.set_fault("errno", errno=errno.ETIMEDOUT, ops=["open"], glob="a.txt")
+    assert errno_of(read, mnt / "a.txt") == errno.ETIMEDOUT
+    assert os.listdir(mnt)  # the root is not matched by these globs
+    assert remote.stats()["errors_injected"] == 2
+
+    remote.clear_faults()
+    assert read(mnt / "sub" / "random.bin") == read(source / "sub" / "random.bin")
+    assert read(mnt / "a.txt") == b"hello remote\n"
+
+    remote.set_fault("errno", errno=errno.EACCES, ops=["getattr"])  # every path, the root too
+    assert errno_of(os.stat, mnt) == errno.EACCES
+    remote.clear_faults()
+    assert os.stat(mnt)
+
+
+@pytest.mark.timeout(60)
+def test_hang_fault_blocks_until_cleared(source: Path, start_remote) -> None:
+    remote = start_remote()
+    remote.set_fault("hang", ops=["read"], glob="a.txt")
+    result: list[bytes | Exception] = []
+
+    def reader() -> None:
+        try:
+            result.append(read(remote.path / "a.txt"))
+        except Exception as e:  # reported by the assertion below
+            result.append(e)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        assert thread.is_alive() and not result
+        stats = remote.stats()  # the control socket answers while an op hangs
+        assert stats["hung_now"] == 1
+        assert read(remote.path / "empty") == b""  # other files are served meanwhile
+    finally:
+        remote.clear_faults()
+    thread.join(5)
+    assert result == [b"hello remote\n"]
+
+
+@pytest.mark.timeout(60)
+def test_open_latency_is_paid(start_remote) -> None:
+    remote = start_remote(open_ms=50)
+    started = time.monotonic()
+    for _ in range(5):
+        os.close(os.open(remote.path / "a.txt", os.O_RDONLY))
+    assert time.monotonic() - started >= 0.25
+
+
+@pytest.mark.timeout(60)
+def test_bandwidth_cap_holds(source: Path, start_remote) -> None:
+    (source / "ten.bin").write_bytes(os.urandom(10_000_000))
+    remote = start_remote(bandwidth_mbps=20)
+    started = time.monotonic()
+    assert len(read(remote.path / "ten.bin")) == 10_000_000
+    assert time.monotonic() - started >= 0.45
+
+
+@pytest.mark.timeout(60)
+def test_stats_and_settings(start_remote) -> None:
+    remote = start_remote(profile="efs", read_ms=3)
+    before = remote.stats()
+    assert before["settings"] == {"meta_ms": 0.5, "open_ms": 2.0, "read_ms": 3.0,
+                                  "bandwidth_mbps": 200.0}
+    assert len(read(remote.path / "sub" / "random.bin")) == 5_000_000
+    after = remote.stats()
+    assert after["read_bytes"] - before["read_bytes"] == 5_000_000
+    assert after["opens"] - before["opens"] == 1
+    assert after["ops"]["read"] > before["ops"].get("read", 0)
+
+    remote.configure(open_ms=0, bandwidth_mbps=None)
+    assert remote.stats()["settings"]["bandwidth_mbps"] is None
+    with pytest.raises(RuntimeError, match="unknown setting"):
+        remote.configure(latency=1)
+    with pytest.raises(RuntimeError, match="kind"):
+        remote.set_fault("explode")
+
+
+@pytest.mark.timeout(60)
+def test_control_socket_survives_bad_requests(start_remote) -> None:
+    remote = start_remote()
+    sock = remote._socket
+    for line in ["not json", "[1, 2]", '{"cmd": "reboot"}', '{"cmd": "fault", "kind": "errno"}',
+                 '{"cmd": "fault", "kind": "hang", "ops": ["write"]}']:
+        reply = json.loads(slowfs.control_raw(sock, line))
+        assert reply["ok"] is False and reply["error"], line
+    assert remote.stats()["faults"] == []
+    assert read(remote.path / "a.txt") == b"hello remote\n"
+
+
+@pytest.mark.timeout(60)
+def test_cli_mounts_in_background_and_unmounts_on_sigterm(source: Path, tmp_path: Path) -> None:
+    mnt, sock, log = tmp_path / "cli-mnt", tmp_path / "ctl.sock", tmp_path / "cli.log"
+    mnt.mkdir()
+    cmd, env = slowfs.child_command([str(source), str(mnt), "--profile", "local",
+                                     "--control", str(sock), "--log-file", str(log)])
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert read(mnt / "a.txt") == b"hello remote\n"  # serving as soon as the command returns
+
+        ctl, _ = slowfs.child_command(["ctl", str(sock), '{"cmd": "stats"}'])
+        reply = subprocess.run(ctl, env=env, capture_output=True, text=True, timeout=30)
+        assert reply.returncode == 0
+        stats = json.loads(reply.stdout)
+        assert stats["ok"] and stats["opens"] == 1
+
+        os.kill(stats["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while slowfs.is_mounted(mnt) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not slowfs.is_mounted(mnt)
+        assert "SIGTERM: unmounting" in log.read_text()
+    finally:
+        if slowfs.is_mounted(mnt):
+            slowfs.fusermount(mnt, lazy=True)
+
+    bad, _ = slowfs.child_command([str(source), str(tmp_path / "missing"), "--control", str(sock)])
+    failed = subprocess.run(bad, env=env, capture_output=True, text=True, timeout=30)
+    assert failed.returncode != 0
+    assert len(failed.stderr.splitlines()) == 1 and "not a directory" in failed.stderr
+
+
+@pytest.mark.timeout(60)
+def test_failed_start_raises_and_leaves_nothing(source: Path, tmp_path: Path) -> None:
+    remote = EmulatedRemote(source, tmp_path / "missing", profile="local")
+    with pytest.raises(RuntimeError, match="not a directory"):
+        remote.start()
+    remote.stop()  # idempotent after a failed start
+    assert not slowfs.is_mounted(tmp_path / "missing")
+
+
+@pytest.mark.timeout(60)
+def test_stop_unmounts_despite_open_files_and_hung_ops(start_remote) -> None:
+    remote = start_remote()
+    held = os.open(remote.path / "a.txt", os.O_RDONLY)  # keeps a plain unmount busy
+    remote.set_fault("hang", ops=["read"])
+    result: list[bytes | OSError] = []
+
+    def reader() -> None:
+        try:
+            result.append(read(remote.path / "a.txt"))
+        except OSError as e:
+            result.append(e)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        remote.stop()
+        assert not slowfs.is_mounted(remote.path)
+        thread.join(5)
+        assert not thread.is_alive() and result
+    finally:
+        os.close(held)
+
+
+@pytest.mark.timeout(60)
+def test_unexpected_errors_become_eio_not_einval(source: Path) -> None:
+    # Without a mount: a read on a handle the daemon never gave out is a bug, not EINVAL.
+    fs = slowfs.SlowFS(slowfs.Emulator(os.fsencode(source), slowfs.Settings(0, 0, 0, None)))
+    with pytest.raises(OSError) as raised:
+        fs.read("/a.txt", 10, 0, 123456)
+    assert raised.value.errno == errno.EIO
+    with pytest.raises(OSError) as raised:
+        fs.getattr("/no-such-file")
+    assert raised.value.errno == errno.ENOENT  # real errors keep their errno

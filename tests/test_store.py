@@ -1,0 +1,253 @@
+"""The store and the small parts, without a mount: budget, checksums, reconciliation,
+admission statistics, size and config parsing, and the errno table of the FUSE adapter."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import stat
+
+import pytest
+
+from cachefs._fuse import FuseOSError
+from cachefs.admission import FractionAdmission
+from cachefs.attr import Attr, Version
+from cachefs.config import build_settings, parse_metrics_addr
+from cachefs.errors import CacheCorrupt, RemoteChanged, RemoteUnavailable, UsageError
+from cachefs.fuse_ops import CachefsOperations
+from cachefs.index import data_key
+from cachefs.sizes import parse_size
+from cachefs.store import CHUNK_BYTES, CacheStore, chunk_count
+from tests.conftest import disk_usage
+
+
+def attr_of(size: int, mtime_ns: int = 1) -> Attr:
+    return Attr(stat.S_IFREG | 0o644, size, 0, 0, 1, mtime_ns, mtime_ns, mtime_ns)
+
+
+@pytest.fixture
+def open_store(tmp_path):
+    stores = []
+
+    def factory(capacity=64 * 2**20, fraction=1.0):
+        store = CacheStore.open(tmp_path / "cache", capacity, FractionAdmission(fraction))
+        stores.append(store)
+        return store
+
+    yield factory
+    for store in stores:
+        store.close()
+
+
+def put_file(store, name: str, data: bytes, mtime_ns: int = 1) -> bool:
+    key, attr = os.fsencode(name), attr_of(len(data), mtime_ns)
+    stored = True
+    for number in range(chunk_count(len(data))):
+        piece = data[number * CHUNK_BYTES : (number + 1) * CHUNK_BYTES]
+        stored &= store.store_chunk(key, attr, number, piece)
+    return stored
+
+
+def read_file(store, name: str) -> bytes | None:
+    key = os.fsencode(name)
+    record = store.lookup(key)
+    if record is None or not store.is_complete(record):
+        return None
+    return b"".join(store.read_chunk(key, record, n) for n in range(chunk_count(record.attr.size)))
+
+
+def test_store_round_trip_small_and_chunked(open_store):
+    store = open_store()
+    small, large = os.urandom(1000), os.urandom(2 * CHUNK_BYTES + 5)
+    assert put_file(store, "a/small.jpg", small)
+    assert put_file(store, "a/large.tar", large)
+    assert put_file(store, "empty", b"")
+    assert read_file(store, "a/small.jpg") == small
+    assert read_file(store, "a/large.tar") == large
+    assert read_file(store, "empty") == b""
+    assert store.complete_files == 3
+    assert store.check(fix=False, verify_data=True).problems == 0
+
+
+def test_budget_counts_everything_on_disk(open_store, tmp_path):
+    capacity = 5 * 2**20
+    store = open_store(capacity=capacity)
+    stored = sum(put_file(store, f"f{i}", os.urandom(10_000)) for i in range(1000))
+    assert 100 < stored < 500
+    assert not store.admitting
+    assert store.used_bytes <= capacity
+    assert disk_usage(tmp_path / "cache") <= capacity
+    # Measured from scratch, the account agrees with what the store tracked.
+    tracked = store.used_bytes
+    store.check(fix=True, verify_data=False)
+    assert abs(store.used_bytes - tracked) <= 64 * 1024
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "append"])
+def test_corrupt_chunk_is_detected_and_dropped(open_store, damage):
+    failures = []
+    store = open_store()
+    store._on_integrity_failure = lambda: failures.append(1)
+    data = os.urandom(50_000)
+    put_file(store, "img.jpg", data)
+    path = store.layout.chunk_path(data_key(b"img.jpg", 0, Version(len(data), 1)))
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(1234)
+            byte = f.read(1)
+            f.seek(1234)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "truncate":
+        os.truncate(path, 100)
+    elif damage == "delete":
+        os.unlink(path)
+    else:
+        with open(path, "ab") as f:
+            f.write(b"x")
+    key = b"img.jpg"
+    with pytest.raises(CacheCorrupt):
+        store.read_chunk(key, store.lookup(key), 0)
+    assert failures == [1]
+    assert store.lookup(key) is None  # dropped: refetched next time, never served
+    assert put_file(store, "img.jpg", data)
+    assert read_file(store, "img.jpg") == data
+
+
+def test_check_repairs_orphans_leftovers_and_fraction_changes(open_store, tmp_path):
+    store = open_store()
+    for i in range(200):
+        put_file(store, f"f{i}", os.urandom(3000))
+    (store.layout.tmp_dir / "half-written.123").write_bytes(b"partial")
+    orphan = store.layout.data_dir / "ff" / ("0" * 30)
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(b"no record")
+    store.close()
+
+    store = open_store(fraction=0.5)  # a smaller fraction at the next start
+    report = store.check(fix=False, verify_data=True)
+    assert report.problems == 0 and report.leftover_fills == 0
+    admission = FractionAdmission(0.5)
+    kept = [i for i in range(200) if admission.eligible(f"f{i}")]
+    assert store.complete_files == len(kept)
+    assert not list(store.layout.tmp_dir.iterdir())
+    assert not orphan.exists()
+
+
+def test_shrunken_capacity_is_enforced_at_start(open_store, tmp_path):
+    store = open_store(capacity=32 * 2**20)
+    for i in range(1000):
+        put_file(store, f"f{i}", os.urandom(10_000))
+    store.close()
+    store = open_store(capacity=6 * 2**20)
+    assert store.used_bytes <= 6 * 2**20
+    assert disk_usage(tmp_path / "cache") <= 6 * 2**20
+    # The survivors are the lowest admission scores: what a smaller fraction keeps.
+    admission = FractionAdmission(1.0)
+    kept = sorted(admission.score(f"f{i}") for i in range(1000)
+                  if store.lookup(os.fsencode(f"f{i}")) is not None)
+    dropped = sorted(admission.score(f"f{i}") for i in range(1000)
+                     if store.lookup(os.fsencode(f"f{i}")) is None)
+    assert kept and dropped and kept[-1] < dropped[0]
+
+
+def test_new_version_replaces_old(open_store):
+    store = open_store()
+    put_file(store, "x", b"old bytes", mtime_ns=1)
+    put_file(store, "x", b"new bytes!!", mtime_ns=2)
+    record = store.lookup(b"x")
+    assert record.attr.mtime_ns == 2
+    assert read_file(store, "x") == b"new bytes!!"
+    assert store.complete_files == 1
+
+
+def test_fraction_admission_is_stable_and_unbiased():
+    admission = FractionAdmission(0.2, seed=5)
+    paths = [f"train/c{i % 100}/img{i}.jpg" for i in range(50_000)]
+    chosen = [p for p in paths if admission.eligible(p)]
+    assert abs(len(chosen) / len(paths) - 0.2) < 0.01
+    assert chosen == [p for p in paths if FractionAdmission(0.2, seed=5).eligible(p)]
+    other_seed = {p for p in paths if FractionAdmission(0.2, seed=6).eligible(p)}
+    assert len(other_seed & set(chosen)) < 0.3 * len(chosen)
+    assert FractionAdmission(0.0).eligible("x") is False
+    assert all(FractionAdmission(1.0).eligible(p) for p in paths[:100])
+
+
+@pytest.mark.parametrize("text, value", [
+    ("500G", 500 * 2**30), ("1.5T", int(1.5 * 2**40)), ("200MiB", 200 * 2**20),
+    ("10GB", 10 * 10**9), ("4096", 4096), ("64k", 65536), (" 2 g ", 2 * 2**30), (123, 123),
+])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "G", "1.2.3G", "5X", "ten", "-1G"])
+def test_bad_sizes(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_metrics_addr_forms():
+    assert parse_metrics_addr("0") is None
+    assert str(parse_metrics_addr("9000")) == "127.0.0.1:9000"
+    assert str(parse_metrics_addr("0.0.0.0:9477")) == "0.0.0.0:9477"
+    assert str(parse_metrics_addr("[::1]:9477")) == "[::1]:9477"
+
+
+def test_settings_errors_name_their_source():
+    base = {"backing": "/a", "mountpoint": "/b", "cache_dir": "/c", "cache_size": "1G"}
+    with pytest.raises(UsageError, match="fraction in /etc/x.toml"):
+        build_settings({**base, "fraction": 2}, config_file="/etc/x.toml",
+                       from_file=frozenset({"fraction"}))
+    with pytest.raises(UsageError, match="--fraction"):
+        build_settings({**base, "fraction": 2})
+    assert build_settings({**base, "revalidate": "never"}).revalidate_seconds is None
+
+
+class _RaisingTree:
+    """Stands in for the core to check the adapter's errno table alone."""
+
+    def __init__(self, exc):
+        self.exc = exc
+        self.metrics = type("M", (), {"read_seconds": None})()
+
+    def getattr(self, relpath):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc, code", [
+    (FileNotFoundError(errno.ENOENT, "x"), errno.ENOENT),
+    (OSError(errno.ESTALE, "stale"), errno.ESTALE),
+    (PermissionError(errno.EACCES, "no"), errno.EACCES),
+    (RemoteUnavailable("hung"), errno.EIO),
+    (RemoteChanged("changed"), errno.ESTALE),
+    (ValueError("a bug"), errno.EIO),
+    (KeyError("a bug"), errno.EIO),
+])
+def test_adapter_maps_exceptions_to_errnos(exc, code):
+    ops = CachefsOperations(_RaisingTree(exc), keep_kernel_cache=False, on_mounted=lambda: None)
+    with pytest.raises(FuseOSError) as info:
+        ops.getattr("/x")
+    assert info.value.errno == code
+
+
+def test_random_stress_of_store_against_a_model(open_store):
+    """Random puts, replacements and drops; the store always returns what the model says."""
+    rng = random.Random(9)
+    store = open_store(capacity=40 * 2**20)
+    model: dict[str, bytes] = {}
+    for step in range(400):
+        name = f"f{rng.randrange(60)}"
+        action = rng.random()
+        if action < 0.6:
+            data = rng.randbytes(rng.choice([0, 10, 5000, 300_000, CHUNK_BYTES + 7]))
+            if put_file(store, name, data, mtime_ns=step + 1):
+                model[name] = data
+        elif action < 0.8:
+            store.drop(os.fsencode(name))
+            model.pop(name, None)
+        else:
+            assert read_file(store, name) == model.get(name)
+    assert store.check(fix=False, verify_data=True).problems == 0
+    for name, data in model.items():
+        assert read_file(store, name) == data
