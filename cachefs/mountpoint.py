@@ -61,12 +61,17 @@ def find_mount(path: str | os.PathLike) -> MountEntry | None:
 
 
 def probe(path: str | os.PathLike, timeout: float = 5.0) -> int | None:
-    """stat ``path`` from a helper thread; the errno it failed with, 0 if fine, None if hung."""
+    """statvfs ``path`` from a helper thread; the errno it failed with, 0 if fine, None if hung.
+
+    statvfs, not stat: after the daemon died the kernel still answers stat from its
+    attribute cache (for a day with --revalidate never), while statfs always asks the
+    daemon, so a dead mount fails at once with ENOTCONN.
+    """
     result: list[int] = []
 
     def run() -> None:
         try:
-            os.stat(path)
+            os.statvfs(path)
             result.append(0)
         except OSError as exc:
             result.append(exc.errno or errno.EIO)

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
+from collections.abc import Callable
+
+# How often STATUS= is refreshed: `systemctl status` shows the last one sent, and the
+# hit ratio it carries is only worth reading if it is recent.
+STATUS_INTERVAL_SECONDS = 10.0
 
 
 def notify(message: str) -> bool:
@@ -24,3 +31,25 @@ def notify(message: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def keep_status_current(status_line: Callable[[], str],
+                        interval: float = STATUS_INTERVAL_SECONDS) -> None:
+    """Send ``STATUS=<status_line()>`` every ``interval`` seconds from a daemon thread.
+
+    Does nothing outside systemd.  Stops when ``status_line`` fails, which happens
+    only while the daemon is shutting down.
+    """
+    if not os.environ.get("NOTIFY_SOCKET"):
+        return
+
+    def run() -> None:
+        while True:
+            time.sleep(interval)
+            try:
+                line = status_line()
+            except Exception:
+                return
+            notify(f"STATUS={line}")
+
+    threading.Thread(target=run, name="sd-status", daemon=True).start()
