@@ -156,6 +156,7 @@ class Daemon:
         log.info("serving %s at %s", self.settings.backing, self.settings.mountpoint)
         report_ready()
         sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={os.getpid()}")
+        sdnotify.keep_status_current(self.status_line)
 
     def stop(self) -> None:
         """Release everything :meth:`start` took; safe to call twice or after a failed start."""
