@@ -92,6 +92,7 @@ class Daemon:
             self.store = CacheStore.open(s.cache_dir, s.cache_size_bytes, admission,
                                          on_integrity_failure=m.integrity_failures.inc)
             store = self.store
+            store.on_write_error = m.cache_write_errors.inc
             m.cache_capacity_bytes.set(s.cache_size_bytes)
             m.bind_gauge(m.cache_bytes, lambda: store.used_bytes)
             m.bind_gauge(m.cache_files, lambda: store.complete_files)

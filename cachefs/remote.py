@@ -172,7 +172,9 @@ class RemoteFile:
         self.version = version
 
     def pread(self, offset: int, length: int) -> bytes:
-        data = self._remote.call(_pread_full, self.fd, length, offset)
+        """Bytes of version ``self.version`` only: RemoteChanged when the file was rewritten
+        in place since it was opened (a read of it could mix old and new bytes)."""
+        data = self._remote.call(_pread_checked, self.fd, length, offset, self.version)
         self._remote._on_read_bytes(len(data))
         return data
 
@@ -215,6 +217,14 @@ def _read_range(path: str, offset: int, length: int, expected: Version) -> bytes
         return _pread_full(fd, length, offset)
     finally:
         os.close(fd)
+
+
+def _pread_checked(fd: int, length: int, offset: int, expected: Version) -> bytes:
+    data = _pread_full(fd, length, offset)
+    st = os.fstat(fd)
+    if Version(st.st_size, st.st_mtime_ns) != expected:
+        raise RemoteChanged("the file changed on the remote while being read")
+    return data
 
 
 def _pread_full(fd: int, length: int, offset: int) -> bytes:

@@ -20,6 +20,7 @@ import dataclasses
 import errno
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,12 @@ FILL_HEADROOM_BYTES = 2 * BLOCK_BYTES
 ADMISSION_RETRY_SECONDS = 60.0
 
 _checksum = xxhash.xxh3_64_intdigest
+
+
+def _indexable(attr: Attr) -> bool:
+    """Whether the index can record ``attr``: times are signed 64-bit nanoseconds, so a file
+    dated after 2262 (a broken clock, a bogus archive) is served but not cached."""
+    return all(-2**63 <= t < 2**63 for t in (attr.atime_ns, attr.mtime_ns, attr.ctime_ns))
 
 
 def chunk_count(size: int) -> int:
@@ -101,6 +108,8 @@ class CacheStore:
         self.capacity_bytes = capacity_bytes
         self.admission = admission
         self._on_integrity_failure = on_integrity_failure
+        # Called for every write the cache disk refused (the daemon counts them).
+        self.on_write_error: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
         self._data_bytes = 0
         self._reserved_bytes = 0
@@ -236,7 +245,8 @@ class CacheStore:
         is used or the disk refuses writes.  Never raises for a disk problem: the
         reader is served from the remote regardless.
         """
-        if not self.admitting or not self.admission.eligible(os.fsdecode(key)):
+        if not self.admitting or not self.admission.eligible(os.fsdecode(key)) \
+                or not _indexable(attr):
             return False
         need = -(-len(data) // BLOCK_BYTES) * BLOCK_BYTES + FILL_HEADROOM_BYTES
         with self._lock:
@@ -250,7 +260,7 @@ class CacheStore:
             self._reserved_bytes += need
         try:
             return self._write_chunk(key, attr, number, data)
-        except OSError as exc:
+        except (OSError, sqlite3.Error) as exc:  # the index lives on the same disk
             self._pause_admission(exc)
             return False
         finally:
@@ -285,13 +295,19 @@ class CacheStore:
             self._index_bytes = self.layout.index_bytes()
         return True
 
-    def _pause_admission(self, exc: OSError) -> None:
-        message = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
-        if self._write_error is None:
+    def _pause_admission(self, exc: OSError | sqlite3.Error) -> None:
+        self.on_write_error()
+        if isinstance(exc, OSError):
+            message = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
+        else:
+            message = f"index: {exc}"
+        with self._lock:  # concurrent fills fail together: say so once
+            first = self._write_error is None
+            self._write_error = message
+            self._admission_paused_until = time.monotonic() + ADMISSION_RETRY_SECONDS
+        if first:
             log.error("cache disk refused a write: %s; admission paused, reads go to the "
                       "remote (retrying in %.0f s)", message, ADMISSION_RETRY_SECONDS)
-        self._write_error = message
-        self._admission_paused_until = time.monotonic() + ADMISSION_RETRY_SECONDS
 
     def clear_write_error(self) -> None:
         if self._write_error is not None:
@@ -299,12 +315,19 @@ class CacheStore:
         self._write_error = None
 
     def drop(self, key: bytes) -> None:
-        """Forget every chunk of the file at ``key`` (it changed, or a chunk is bad)."""
-        with self._lock:
-            record = self.index.get_file(key)
-            if record is not None:
-                self._drop_locked(key, record)
-                self._index_bytes = self.layout.index_bytes()
+        """Forget every chunk of the file at ``key`` (it changed, or a chunk is bad).
+
+        Never raises for a disk problem: a disk that cannot forget is a disk that
+        refuses writes (admission pauses); readers go to the remote regardless.
+        """
+        try:
+            with self._lock:
+                record = self.index.get_file(key)
+                if record is not None:
+                    self._drop_locked(key, record)
+                    self._index_bytes = self.layout.index_bytes()
+        except (OSError, sqlite3.Error) as exc:
+            self._pause_admission(exc)
 
     def _drop_locked(self, key: bytes, record: FileRecord) -> None:
         if self.is_complete(record):

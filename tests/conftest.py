@@ -207,3 +207,94 @@ def disk_usage(path: Path) -> int:
         for name in dirs + files:
             total += os.lstat(os.path.join(directory, name)).st_blocks * 512
     return total
+
+
+# -- helpers for fault, security and load tests ----------------------------------------------
+
+def wait_for(predicate, timeout: float = 15.0, interval: float = 0.1, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout:g} s (last: {value!r})")
+        time.sleep(interval)
+
+
+def errno_of(action) -> int | None:
+    """The errno ``action()`` fails with, or None when it succeeds."""
+    try:
+        action()
+    except OSError as exc:
+        return exc.errno
+    return None
+
+
+def process_figures(pid: int) -> dict[str, int]:
+    """Open descriptors, threads, current and peak resident memory (bytes) of a process."""
+    figures = {"fds": len(os.listdir(f"/proc/{pid}/fd")),
+               "threads": len(os.listdir(f"/proc/{pid}/task"))}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                figures[key] = int(value.split()[0]) * 1024
+    return figures
+
+
+def control_socket_path(mountpoint: Path) -> str:
+    """Where the hidden ``.cachefs.sock`` entry of a mount leads."""
+    return os.readlink(mountpoint / ".cachefs.sock")
+
+
+@pytest.fixture
+def scratch_fs(tmp_path: Path) -> Iterator:
+    """Factory of small file systems for the cache dir: ``scratch_fs("tmpfs", size_bytes)`` or
+    ``scratch_fs("ext4", size_bytes)`` (a loop-mounted image, errors=remount-ro).  Returns the
+    mount point; everything is unmounted in teardown, lazily when still busy."""
+    mounted: list[Path] = []
+
+    def factory(kind: str, size_bytes: int) -> Path:
+        path = tmp_path / f"{kind}-{len(mounted)}"
+        path.mkdir()
+        if kind == "tmpfs":
+            command = ["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0755", "tmpfs",
+                       str(path)]
+        else:
+            image = tmp_path / f"{kind}-{len(mounted)}.img"
+            with open(image, "wb") as f:
+                f.truncate(size_bytes)
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True,
+                           capture_output=True)
+            command = ["mount", "-o", "loop,errors=remount-ro", str(image), str(path)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        mounted.append(path)
+        return path
+
+    yield factory
+    for path in reversed(mounted):
+        if find_mount(path) is None:
+            continue
+        result = subprocess.run(["umount", str(path)], capture_output=True)
+        if result.returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def ext4_device_name(mountpoint: Path) -> str:
+    """The block device name (``loop3``) of an ext4 mount, as /sys/fs/ext4 lists it."""
+    entry = find_mount(mountpoint)
+    assert entry is not None and entry.fstype == "ext4", entry
+    return os.path.basename(os.path.realpath(entry.source))
+
+
+def turn_read_only(mountpoint: Path) -> None:
+    """Make an ext4 scratch file system read-only under its writers, as a disk error does
+    with errors=remount-ro (a plain remount refuses while files are open for writing)."""
+    import errno
+
+    device = ext4_device_name(mountpoint)
+    Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("1")
+    wait_for(lambda: errno_of(lambda: os.mkdir(mountpoint / "probe")) == errno.EROFS,
+             timeout=10, what="read-only file system")

@@ -1,0 +1,383 @@
+"""What a reader sees when the remote or the cache disk misbehaves: cached files keep being
+served, reads that need the remote fail with an errno after a bounded wait, the daemon stays
+responsive and recovers by itself, and no wrong byte is ever served."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cachefs.attr import Version
+from cachefs.index import data_key
+from cachefs.layout import CacheLayout
+from cachefs.store import CHUNK_BYTES
+from tests.conftest import (
+    errno_of,
+    make_files,
+    shuffled_read_all,
+    turn_read_only,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+REMOTE_TIMEOUT = 2  # --remote-timeout in these tests, seconds
+
+
+def read_bounded(path: Path, timeout: float = 20.0) -> bytes | OSError:
+    """Read a file from a helper thread; fail the test if it has not returned within ``timeout``
+    (a read stuck on a hung remote must not hang the test run)."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(path.read_bytes())
+        except OSError as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert result, f"reading {path} did not return within {timeout:g} s"
+    return result[0]
+
+
+def chunk_file(mount, rel: str, number: int = 0) -> Path:
+    """The file under <cache-dir>/data/ holding chunk ``number`` of ``rel``."""
+    st = os.stat(mount.backing / rel)
+    layout = CacheLayout(mount.cache_dir, CHUNK_BYTES)
+    path = Path(layout.chunk_path(data_key(os.fsencode(rel), number,
+                                           Version(st.st_size, st.st_mtime_ns))))
+    assert path.is_file(), f"chunk {number} of {rel} is not stored"
+    return path
+
+
+# -- the remote fails ---------------------------------------------------------------------------
+
+def test_remote_eio_serves_cached_files_and_fails_the_rest_with_eio(source, remote,
+                                                                    mount_cachefs):
+    rels = make_files(source, 20, size=(1000, 50_000))
+    (source / "big.bin").write_bytes(random.Random(1).randbytes(9 * 2**20))
+    cached, uncached = rels[:10] + ["big.bin"], rels[10:]
+    mount = mount_cachefs(remote.path, revalidate=1, remote_timeout=REMOTE_TIMEOUT)
+    shuffled_read_all(mount.path, cached, seed=1)
+    want = {r: (source / r).read_bytes() for r in rels + ["big.bin"]}
+
+    remote.set_fault("errno", errno=errno.EIO)
+    try:
+        # Past the revalidation interval, so attributes would be asked of the remote again.
+        time.sleep(2.2)
+        assert shuffled_read_all(mount.path, cached, seed=2) == {r: want[r] for r in cached}
+        for rel in uncached:
+            assert errno_of(lambda rel=rel: (mount.path / rel).read_bytes()) == errno.EIO
+        # The daemon answers meanwhile.
+        assert mount.status()["cache_files"] == len(cached)
+        assert mount.metric("cachefs_remote_errors_total", kind="eio") > 0
+        assert remote.stats()["errors_injected"] > 0
+    finally:
+        remote.clear_faults()
+    # Recovery needs nothing but the remote answering again.
+    assert shuffled_read_all(mount.path, uncached, seed=3) == {r: want[r] for r in uncached}
+    assert mount.metric("cachefs_remote_available") == 1
+
+
+def test_hung_remote_fails_uncached_reads_after_the_timeout_and_recovers(source, remote,
+                                                                         mount_cachefs):
+    rels = make_files(source, 12, size=(1000, 50_000))
+    cached, uncached = rels[:6], rels[6:]
+    mount = mount_cachefs(remote.path, revalidate=1, remote_timeout=REMOTE_TIMEOUT)
+    want = {r: (source / r).read_bytes() for r in rels}
+    shuffled_read_all(mount.path, cached, seed=1)
+    time.sleep(2.2)  # past the revalidation interval: the next opens ask the remote
+
+    remote.set_fault("hang")
+    try:
+        # Needs the remote: EIO once --remote-timeout has passed, not a reader stuck for ever.
+        assert getattr(read_bounded(mount.path / uncached[0]), "errno", None) == errno.EIO
+        wait_for(lambda: mount.metric("cachefs_remote_available") == 0,
+                 what="cachefs_remote_available 0")
+        assert mount.metric("cachefs_remote_errors_total", kind="timeout") >= 1
+        # Cached files are served, the control socket and the metrics endpoint answer.
+        for rel in cached:
+            assert read_bounded(mount.path / rel) == want[rel]
+        status = mount.status()
+        assert status["remote_available"] is False
+        assert status["cache_files"] == len(cached)
+        for rel in uncached[1:3]:
+            assert getattr(read_bounded(mount.path / rel), "errno", None) == errno.EIO
+        assert remote.stats()["hung_now"] > 0
+    finally:
+        remote.clear_faults()
+    # The remote answers again: the daemon notices by itself, uncached files read again.
+    wait_for(lambda: mount.metric("cachefs_remote_available") == 1, timeout=REMOTE_TIMEOUT + 10,
+             what="cachefs_remote_available back to 1")
+    assert shuffled_read_all(mount.path, rels, seed=2) == want
+    assert mount.status()["remote_available"] is True
+
+
+# -- the remote changes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0], ids=["cached", "uncached"])
+def test_removed_remote_file_is_enoent_after_the_interval(source, remote, mount_cachefs,
+                                                          fraction):
+    (source / "gone.bin").write_bytes(b"soon removed\n" * 100)
+    (source / "kept.bin").write_bytes(b"stays\n" * 100)
+    mount = mount_cachefs(remote.path, revalidate=1, fraction=fraction)
+    assert (mount.path / "gone.bin").read_bytes() == b"soon removed\n" * 100
+    assert (mount.path / "gone.bin").read_bytes() == b"soon removed\n" * 100
+
+    (source / "gone.bin").unlink()
+    time.sleep(2.2)  # the interval plus the kernel's 1 s attribute cache
+    assert errno_of(lambda: (mount.path / "gone.bin").read_bytes()) == errno.ENOENT
+    assert errno_of(lambda: os.stat(mount.path / "gone.bin")) == errno.ENOENT
+    assert "gone.bin" not in os.listdir(mount.path)
+    assert (mount.path / "kept.bin").read_bytes() == b"stays\n" * 100
+
+
+def test_changed_uncached_file_is_not_served_stale(source, remote, mount_cachefs):
+    """test_cache.py covers a cached file; here the file is outside the kept fraction."""
+    (source / "label.txt").write_bytes(b"version one\n")
+    mount = mount_cachefs(remote.path, revalidate=1, fraction=0.0)
+    assert (mount.path / "label.txt").read_bytes() == b"version one\n"
+    (source / "label.txt").write_bytes(b"version two, longer\n")
+    time.sleep(2.2)
+    assert (mount.path / "label.txt").read_bytes() == b"version two, longer\n"
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """A new file under the old name (rename over it), as most writers of datasets do."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _rewrite(path: Path, data: bytes) -> None:
+    """The same file rewritten in place (same inode), size and bytes changed."""
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(data)
+
+
+@pytest.mark.parametrize("change", [_replace, _rewrite], ids=["replaced", "rewritten"])
+@pytest.mark.parametrize("fraction", [1.0, 0.0], ids=["cached", "uncached"])
+@pytest.mark.parametrize("new_size", [6 * 2**20 + 3, 14 * 2**20 + 5], ids=["shrinks", "grows"])
+def test_file_changing_while_read_gives_one_version_or_an_error(source, remote, mount_cachefs,
+                                                                change, fraction, new_size):
+    rng = random.Random(new_size)
+    old, new = rng.randbytes(10 * 2**20 + 1), rng.randbytes(new_size)
+    (source / "shard.bin").write_bytes(old)
+    mount = mount_cachefs(remote.path, revalidate=1, fraction=fraction)
+    with open(mount.path / "shard.bin", "rb", buffering=0) as f:
+        got = f.read(CHUNK_BYTES)  # the first chunk, before the change
+        change(source / "shard.bin", new)
+        try:
+            while piece := f.read(1 << 20):
+                got += piece
+        except OSError as exc:
+            outcome = exc.errno
+        else:
+            outcome = None
+    if outcome is None:
+        # Read to the end without an error: all of one version, never a mix.
+        assert got in (old, new), "a mix of the old and the new file was served"
+    else:
+        assert outcome in (errno.ESTALE, errno.EIO), os.strerror(outcome)
+    # A fresh open after the interval sees the new file whole.
+    time.sleep(2.2)
+    assert (mount.path / "shard.bin").read_bytes() == new
+
+
+# -- errors the remote answers with --------------------------------------------------------------
+
+@pytest.mark.parametrize("code", [errno.ESTALE, errno.EACCES, errno.ENOENT, errno.EIO],
+                         ids=errno.errorcode.get)
+@pytest.mark.parametrize("fraction", [1.0, 0.0], ids=["cached", "uncached"])
+def test_remote_errno_reaches_the_reader_unchanged(source, remote, mount_cachefs, code,
+                                                   fraction):
+    ops = ["getattr", "open", "read"]
+    rels = {op: f"{op}-fails.bin" for op in ops}
+    for rel in rels.values():
+        (source / rel).write_bytes(os.urandom(100_000))
+    (source / "healthy.bin").write_bytes(b"fine\n")
+    mount = mount_cachefs(remote.path, fraction=fraction, remote_timeout=REMOTE_TIMEOUT)
+    for op, rel in rels.items():
+        remote.set_fault("errno", errno=code, ops=[op], glob=rel)
+    try:
+        for op, rel in rels.items():
+            got = errno_of(lambda rel=rel: (mount.path / rel).read_bytes())
+            assert got == code, f"{op} failing with {errno.errorcode[code]} gave " \
+                                f"{errno.errorcode.get(got, got)}"
+        assert (mount.path / "healthy.bin").read_bytes() == b"fine\n"
+    finally:
+        remote.clear_faults()
+    for rel in rels.values():
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
+    kind = {errno.ESTALE: "estale", errno.EACCES: "eacces", errno.EIO: "eio"}.get(code)
+    if kind is not None:
+        assert mount.metric("cachefs_remote_errors_total", kind=kind) >= len(ops)
+    assert "Traceback" not in mount.log_file.read_text()
+
+
+def test_a_file_the_index_cannot_record_is_still_served(source, remote, mount_cachefs):
+    """A file dated after 2262 (nanoseconds past 2**63) cannot go into the index; it used to
+    fail every read with EIO instead of being served from the remote."""
+    far_future = 2**63 + 10**18
+    path = source / "from_the_future.bin"
+    path.write_bytes(b"bogus timestamp, good bytes\n")
+    os.utime(path, ns=(far_future, far_future))
+    mount = mount_cachefs(remote.path)
+    assert os.stat(mount.path / "from_the_future.bin").st_mtime_ns == far_future
+    for _ in range(2):
+        assert (mount.path / "from_the_future.bin").read_bytes() == path.read_bytes()
+    assert "Traceback" not in mount.log_file.read_text()
+
+
+def test_unexpected_exceptions_become_eio_with_a_traceback(caplog):
+    """The FUSE adapter's boundary, without a mount: a bug anywhere below it reaches the reader
+    as EIO (never the EINVAL or EFAULT the binding would choose) and is logged with its
+    traceback; errnos from the remote and domain errors keep their meaning."""
+    from cachefs._fuse import FuseOSError
+    from cachefs.errors import RemoteChanged, RemoteUnavailable
+    from cachefs.fuse_ops import CachefsOperations
+
+    class Tree:
+        raised: BaseException
+
+        class metrics:  # noqa: N801 - stands in for the attribute
+            read_seconds = None
+
+        def getattr(self, relpath):
+            raise self.raised
+
+    tree = Tree()
+    ops = CachefsOperations(tree, keep_kernel_cache=False, on_mounted=lambda: None)
+    cases = [(KeyError("bug"), errno.EIO), (ValueError("bug"), errno.EIO),
+             (AttributeError("bug"), errno.EIO), (OSError("no errno"), errno.EIO),
+             (RemoteUnavailable("down"), errno.EIO), (RemoteChanged("changed"), errno.ESTALE),
+             (OSError(errno.ESTALE, "stale"), errno.ESTALE),
+             (OSError(errno.EACCES, "denied"), errno.EACCES),
+             (FileNotFoundError(errno.ENOENT, "gone"), errno.ENOENT)]
+    for raised, want in cases:
+        tree.raised = raised
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="cachefs.fuse_ops"), \
+                pytest.raises(FuseOSError) as info:
+            ops.getattr("/some/file")
+        assert info.value.errno == want, raised
+        unexpected = want == errno.EIO and not isinstance(raised, RemoteUnavailable)
+        tracebacks = [r for r in caplog.records if r.exc_info]
+        assert bool(tracebacks) == unexpected, raised
+
+
+# -- the cache disk fails ----------------------------------------------------------------------
+
+def _log_lines(mount, text: str) -> list[str]:
+    return [line for line in mount.log_file.read_text().splitlines() if text in line]
+
+
+def test_full_cache_disk_stops_admission_and_readers_see_no_error(source, remote, mount_cachefs,
+                                                                  scratch_fs):
+    rels = make_files(source, 120, size=(100_000, 300_000))  # ~24 MB onto a 6 MiB disk
+    (source / "big.bin").write_bytes(random.Random(2).randbytes(9 * 2**20))
+    rels.append("big.bin")
+    disk = scratch_fs("tmpfs", 6 * 2**20)
+    # The budget (1 GiB) is far above what the disk holds: the disk fills first.
+    mount = mount_cachefs(remote.path, cache_dir=disk / "cache", cache_size="1G")
+    want = {r: (source / r).read_bytes() for r in rels}
+
+    # Small files first, so that some are stored whole before the disk is full.
+    assert shuffled_read_all(mount.path, rels[:-1], seed=1) | \
+        shuffled_read_all(mount.path, rels[-1:], seed=1) == want
+    assert mount.metric("cachefs_cache_admitting") == 0
+    assert mount.metric("cachefs_cache_write_errors_total") >= 1
+    status = mount.status()
+    assert status["admitting"] is False and "No space left" in status["cache_write_error"]
+    refused = _log_lines(mount, "cache disk refused a write")
+    assert len(refused) == 1, refused  # said once, not once per file
+    # Everything still reads right, from the cache where stored and the remote otherwise.
+    assert shuffled_read_all(mount.path, rels, seed=2) == want
+    assert mount.metric("cachefs_file_opens_total", result="hit") >= 1
+    assert "Traceback" not in mount.log_file.read_text()
+    assert len(_log_lines(mount, "cache disk refused a write")) == 1
+
+
+def test_cache_disk_turning_read_only_stops_admission_and_readers_see_no_error(
+        source, remote, mount_cachefs, scratch_fs):
+    rels = make_files(source, 200, size=(1000, 60_000))
+    first, later = rels[:100], rels[100:]
+    disk = scratch_fs("ext4", 64 * 2**20)
+    mount = mount_cachefs(remote.path, cache_dir=disk / "cache", cache_size="32MiB")
+    want = {r: (source / r).read_bytes() for r in rels}
+    assert shuffled_read_all(mount.path, first, seed=1) == {r: want[r] for r in first}
+    assert mount.metric("cachefs_cache_files") == len(first)
+
+    turn_read_only(disk)  # as a disk error does with errors=remount-ro
+    assert shuffled_read_all(mount.path, later, seed=2) == {r: want[r] for r in later}
+    assert mount.metric("cachefs_cache_admitting") == 0
+    assert mount.metric("cachefs_cache_write_errors_total") >= 1
+    assert "Read-only file system" in mount.status()["cache_write_error"]
+    assert len(_log_lines(mount, "cache disk refused a write")) == 1
+    # What was stored before is still served from the cache.
+    hits = mount.metric("cachefs_file_opens_total", result="hit")
+    assert shuffled_read_all(mount.path, rels, seed=3) == want
+    assert mount.metric("cachefs_file_opens_total", result="hit") - hits == len(first)
+    assert "Traceback" not in mount.log_file.read_text()
+
+
+# -- the cache's own bytes go bad ---------------------------------------------------------------
+
+def _flip(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, os.path.getsize(path) // 3)
+
+
+def _grow(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0")
+
+
+DAMAGE = {"flipped": _flip, "truncated": _truncate, "deleted": os.unlink, "grown": _grow}
+
+
+def test_damaged_chunks_are_never_served_and_are_refetched(source, remote, mount_cachefs):
+    small = make_files(source, len(DAMAGE), size=(10_000, 100_000))
+    (source / "shard.bin").write_bytes(random.Random(4).randbytes(10 * 2**20 + 7))
+    rels = small + ["shard.bin"]
+    want = {r: (source / r).read_bytes() for r in rels}
+    mount = mount_cachefs(remote.path)
+    assert shuffled_read_all(mount.path, rels, seed=1) == want
+    assert mount.metric("cachefs_cache_files") == len(rels)
+
+    # Behind the daemon's back: one kind of damage per small file, the middle chunk of the shard.
+    for rel, damage in zip(small, DAMAGE.values(), strict=True):
+        damage(chunk_file(mount, rel))
+    _flip(chunk_file(mount, "shard.bin", 1))
+    remote_before = mount.metric("cachefs_remote_read_bytes_total")
+
+    assert shuffled_read_all(mount.path, rels, seed=2) == want
+    assert mount.metric("cachefs_integrity_failures_total") == len(DAMAGE) + 1
+    refetched = mount.metric("cachefs_remote_read_bytes_total") - remote_before
+    # The damaged files came again from the remote (the shard from its bad chunk on)...
+    assert sum(len(want[r]) for r in small) <= refetched <= sum(map(len, want.values()))
+    # ...and were stored again.  A bad chunk drops every chunk of its file, so the shard's
+    # first chunk, read before the bad one was found, comes once more from the remote.
+    assert shuffled_read_all(mount.path, rels, seed=3) == want
+    hits, remote_before = (mount.metric("cachefs_file_opens_total", result="hit"),
+                           mount.metric("cachefs_remote_read_bytes_total"))
+    assert shuffled_read_all(mount.path, rels, seed=4) == want
+    assert mount.metric("cachefs_file_opens_total", result="hit") - hits == len(rels)
+    assert mount.metric("cachefs_remote_read_bytes_total") == remote_before
+    assert mount.metric("cachefs_integrity_failures_total") == len(DAMAGE) + 1
