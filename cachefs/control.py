@@ -56,6 +56,12 @@ class Reply:
     # Descriptors to close once sent (the daemon's copies).
     close_fds: bool = True
 
+    def close(self) -> None:
+        """Release the daemon's copies of the descriptors (sent or not)."""
+        if self.close_fds:
+            for fd in self.fds:
+                os.close(fd)
+
 
 Handler = Callable[[Peer, bytes], Reply | None]
 
@@ -133,10 +139,18 @@ class ControlServer:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             peer = Peer(*struct.unpack("3i", creds))
             conn.settimeout(None)
+            listening = True
             for line in _lines(conn, self._on_invalid):
                 reply = self._dispatch(peer, line)
-                if reply is not None:
-                    _send(conn, reply)
+                if reply is not None and listening:
+                    try:
+                        _send(conn, reply)
+                    except OSError:
+                        # The client stopped reading (or closed after writing): the
+                        # requests it already sent are still carried out.
+                        listening = False
+                elif reply is not None:
+                    reply.close()
         except OSError:
             pass  # the client went away
         except Exception:
@@ -195,6 +209,4 @@ def _send(conn: socket.socket, reply: Reply) -> None:
         conn.sendall(message + reply.payload)
     finally:
         conn.settimeout(None)
-        if reply.close_fds:
-            for fd in reply.fds:
-                os.close(fd)
+        reply.close()

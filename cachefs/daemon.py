@@ -175,6 +175,8 @@ class Daemon:
         s, m = self.settings, self.metrics
         hits = m.value("cachefs_file_opens_total", result="hit")
         misses = m.value("cachefs_file_opens_total", result="miss")
+        prefetched = m.value("cachefs_file_opens_total", result="prefetched")
+        opens = hits + misses + prefetched
         read = {src: m.value("cachefs_read_bytes_total", source=src)
                 for src in ("cache", "remote", "prefetch")}
         total_read = sum(read.values())
@@ -192,10 +194,13 @@ class Daemon:
             "fraction": s.fraction,
             "seed": s.seed,
             "revalidate_seconds": s.revalidate_seconds,
-            "hit_ratio": hits / (hits + misses) if hits + misses else None,
+            # Of all opens, those the stable cached fraction served; prefetched files
+            # are local too but count apart, so this stays comparable with --fraction.
+            "hit_ratio": hits / opens if opens else None,
             "byte_hit_ratio": (read["cache"] + read["prefetch"]) / total_read
             if total_read else None,
-            "file_opens": {"hit": int(hits), "miss": int(misses)},
+            "file_opens": {"hit": int(hits), "prefetched": int(prefetched),
+                           "miss": int(misses)},
             "read_bytes": {k: int(v) for k, v in read.items()},
             "remote_read_bytes": int(m.value("cachefs_remote_read_bytes_total")),
             "cache_bytes": int(m.value("cachefs_cache_bytes")),

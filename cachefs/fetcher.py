@@ -12,7 +12,7 @@ import concurrent.futures
 import threading
 
 from cachefs.attr import Attr, Version
-from cachefs.errors import RemoteChanged, RemoteUnavailable
+from cachefs.errors import CacheCorrupt, RemoteChanged, RemoteUnavailable
 from cachefs.remote import Remote
 from cachefs.store import CacheStore, chunk_span
 
@@ -47,6 +47,12 @@ class Fetcher:
         if not owner:
             return self._wait(future)
         try:
+            # The previous owner of this chunk stores it before it leaves _inflight, so
+            # a caller that just missed that fetch finds the chunk here, not on the remote.
+            stored = self._stored(key, attr, number)
+            if stored is not None:
+                future.set_result(stored)
+                return stored
             offset, length = chunk_span(attr.size, number)
             data = self._remote.read(relpath, offset, length, attr.version)
             if len(data) != length:
@@ -62,6 +68,15 @@ class Fetcher:
         finally:
             with self._lock:
                 del self._inflight[ident]
+
+    def _stored(self, key: bytes, attr: Attr, number: int) -> bytes | None:
+        record = self._store.lookup(key)
+        if record is None or record.version != attr.version:
+            return None
+        try:
+            return self._store.read_chunk(key, record, number)
+        except CacheCorrupt:
+            return None  # dropped by the store; fetched again below
 
     def inflight(self, key: bytes, attr: Attr, number: int) -> concurrent.futures.Future | None:
         return self._inflight.get((key, attr.version, number))

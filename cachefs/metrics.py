@@ -18,7 +18,7 @@ from cachefs.errors import UsageError
 log = logging.getLogger(__name__)
 
 READ_SOURCES = ("cache", "remote", "prefetch")
-OPEN_RESULTS = ("hit", "miss")
+OPEN_RESULTS = ("hit", "prefetched", "miss")
 HINT_RESULTS = ("accepted", "cached", "invalid", "dropped")
 PREFETCH_RESULTS = ("used", "wasted", "failed")
 REMOTE_ERROR_KINDS = ("timeout", "eio", "estale", "eacces", "other")
@@ -42,7 +42,8 @@ class Metrics:
             "cachefs_remote_read_bytes", "Bytes read from the remote for any reason", registry=r)
         self.file_opens = Counter(
             "cachefs_file_opens",
-            "Files opened for reading; hit when the whole file was in the local cache at open",
+            "Files opened for reading: hit when the whole file was in the local cache already, "
+            "prefetched when a hint brought it there (or into staging) first, miss otherwise",
             ["result"], registry=r)
         self.cache_bytes = Gauge(
             "cachefs_cache_bytes",

@@ -17,7 +17,6 @@ Lock order: ``Prefetcher._cond`` before ``StagingArea._cond``; neither is held a
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import errno
 import logging
 import os
@@ -33,7 +32,7 @@ from cachefs.metrics import Metrics
 from cachefs.paths import Caller, normalize, resolve
 from cachefs.remote import Remote
 from cachefs.staging import StagingArea
-from cachefs.store import CacheStore, chunk_count
+from cachefs.store import CHUNK_BYTES, CacheStore, chunk_count
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,14 @@ class _Hint:
 
 
 @dataclass
+class _Active:
+    """A prefetch under way.  ``done`` is set when it ends, however it ends."""
+
+    done: threading.Event
+    opened: bool = False  # a reader opened the file meanwhile
+
+
+@dataclass
 class Prefetched:
     """What a reader opening a file finds already fetched for it."""
 
@@ -66,8 +73,8 @@ class Prefetched:
 class Prefetcher:
     """Hint intake and the prefetch workers.
 
-    Thread safety: ``_cond`` guards ``_queue``, ``_active``, ``_staging_fetches``
-    and ``_unused``; intake and readers only ever hold it briefly.
+    Thread safety: ``_cond`` guards ``_queue``, ``_active`` and ``_unused``; intake
+    and readers only ever hold it briefly.
     """
 
     def __init__(self, *, mountpoint: str, store: CacheStore, fetcher: Fetcher, remote: Remote,
@@ -86,9 +93,8 @@ class Prefetcher:
                                                                        "failed")}
         self._cond = threading.Condition()
         self._queue: collections.OrderedDict[str, _Hint] = collections.OrderedDict()
-        # Files being prefetched now -> whether a reader opened them meanwhile.
-        self._active: dict[str, bool] = {}
-        self._staging_fetches: dict[str, concurrent.futures.Future] = {}
+        # Files being prefetched now, from the moment a worker takes the hint.
+        self._active: dict[str, _Active] = {}
         # Prefetched into the cache, not yet opened: path -> when.
         self._unused: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._closed = False
@@ -135,20 +141,25 @@ class Prefetcher:
         with self._cond:
             # A hint still queued: the reader got there first, fetching it now is useless.
             passed = self._queue.pop(relpath, None) is not None
-            if relpath in self._active:
-                self._active[relpath] = True
-            future = self._staging_fetches.get(relpath)
+            active = self._active.get(relpath)
+            if active is not None:
+                active.opened = True
             into_cache = self._unused.pop(relpath, None) is not None
         if passed:
             self._hints["dropped"].inc()
         if into_cache:
             self._outcome["used"].inc()
             return Prefetched(into_cache=True)
-        if future is not None:
-            try:
-                future.result(timeout)
-            except Exception:
-                pass  # the fetch failed: the reader goes to the remote itself
+        # A file whose bytes are on the way: wait for them rather than read them a second
+        # time.  (A large file is not waited for as a whole: its chunks are shared with
+        # the reader one by one through the fetcher.)  If the prefetch fails or is slow,
+        # the reader goes to the remote itself.
+        if active is not None and attr.size <= CHUNK_BYTES and active.done.wait(timeout) \
+                and self._cached(relpath_key(relpath), attr):
+            return Prefetched(into_cache=True)
+        return self._take_staged(relpath, attr)
+
+    def _take_staged(self, relpath: str, attr: Attr) -> Prefetched:
         if relpath in self.staging:
             staged = self.staging.take(relpath, attr.version)
             if staged is not None:
@@ -190,10 +201,11 @@ class Prefetcher:
                     return
                 relpath, hint = self._queue.popitem(last=False)
                 stale = time.monotonic() - hint.received_at > HINT_TTL_SECONDS
-                if not stale:
-                    self._active[relpath] = False
+                active = None if stale else _Active(threading.Event())
+                if active is not None:
+                    self._active[relpath] = active
                 self._maintain_locked()
-            if stale:
+            if active is None:
                 self._hints["dropped"].inc()
                 continue
             try:
@@ -203,6 +215,7 @@ class Prefetcher:
             finally:
                 with self._cond:
                     self._active.pop(relpath, None)
+                active.done.set()
 
     def _prefetch(self, hinted: str, caller: Caller | None) -> None:
         try:
@@ -233,11 +246,12 @@ class Prefetcher:
             log.debug("prefetch of %s failed: %s", relpath, exc)
             return
         with self._cond:
-            opened_meanwhile = self._active.get(relpath, False)
+            active = self._active.get(relpath)
+            opened_meanwhile = active is not None and active.opened
             if admit and not opened_meanwhile:
                 self._unused[relpath] = time.monotonic()
-        if opened_meanwhile:
-            self._outcome["used"].inc()
+        if admit and opened_meanwhile:
+            self._outcome["used"].inc()  # (a staged file counts as used when taken)
 
     def _cached(self, key: bytes, attr: Attr) -> bool:
         record = self.store.lookup(key)
@@ -255,21 +269,12 @@ class Prefetcher:
     def _fetch_into_staging(self, relpath: str, attr: Attr) -> None:
         if not self.staging.reserve(attr.size, STAGING_WAIT_SECONDS):
             raise CachefsError("no room in the staging area")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            self._staging_fetches[relpath] = future
         try:
             data = self.remote.read(relpath, 0, attr.size, attr.version)
             self.staging.put(relpath, attr.version, data, reserved=attr.size)
-        except BaseException as exc:
+        except BaseException:
             self.staging.release(attr.size)
-            future.set_exception(exc)
             raise
-        else:
-            future.set_result(None)
-        finally:
-            with self._cond:
-                self._staging_fetches.pop(relpath, None)
 
     def _maintain_locked(self) -> None:
         """Now and then: count prefetches nobody read as wasted."""

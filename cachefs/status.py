@@ -43,7 +43,8 @@ def format_status(st: dict) -> str:
         f"  remote       {st['backing']}  "
         f"({'answering' if st['remote_available'] else 'NOT ANSWERING: serving cached files'})",
         f"  hit ratio    {_ratio(st['hit_ratio'])} of file opens "
-        f"({opens['hit']:,} hits, {opens['miss']:,} misses); "
+        f"({opens['hit']:,} hits, {opens['prefetched']:,} prefetched, "
+        f"{opens['miss']:,} misses); "
         f"{_ratio(st['byte_hit_ratio'])} of bytes read",
         f"  cache        {format_bytes(used)} of {format_bytes(capacity)} "
         f"({used / capacity:.0%}), {st['cache_files']:,} files, {admitting}",

@@ -29,7 +29,7 @@ from cachefs.attrcache import AttrCache, relpath_key
 from cachefs.errors import CacheCorrupt, RemoteChanged
 from cachefs.fetcher import Fetcher
 from cachefs.index import FileRecord
-from cachefs.metrics import READ_SOURCES, Metrics
+from cachefs.metrics import OPEN_RESULTS, READ_SOURCES, Metrics
 from cachefs.prefetch import Prefetcher
 from cachefs.remote import Remote, RemoteFile
 from cachefs.store import CHUNK_BYTES, CacheStore, chunk_span
@@ -85,7 +85,7 @@ class CachedTree:
         self._handles: dict[int, OpenFile] = {}
         self._next_handle = itertools.count(1)
         self._read_bytes = {s: metrics.read_bytes.labels(s) for s in READ_SOURCES}
-        self._opens = {r: metrics.file_opens.labels(r) for r in ("hit", "miss")}
+        self._opens = {r: metrics.file_opens.labels(r) for r in OPEN_RESULTS}
 
     # -- metadata ----------------------------------------------------------------------
 
@@ -116,6 +116,11 @@ class CachedTree:
         if not attr.is_file:
             raise IsADirectoryError(relpath) if attr.is_dir else PermissionError(relpath)
         key = relpath_key(relpath)
+        # Settle the prefetcher first: a prefetch into the cache that finishes now must
+        # be seen by the lookup below, not fetched a second time.
+        prefetched = None
+        if self.prefetcher is not None:
+            prefetched = self.prefetcher.on_open(relpath, attr, self.remote.timeout_seconds)
         record = self.store.lookup(key)
         if record is not None and record.version != attr.version:
             log.info("%s changed on the remote: cached copy dropped", relpath)
@@ -123,14 +128,15 @@ class CachedTree:
             record = None
         # An empty file needs no bytes: it is always whole in the cache.
         hit = attr.size == 0 or (record is not None and self.store.is_complete(record))
-        self._opens["hit" if hit else "miss"].inc()
         f = OpenFile(relpath, key, attr, record)
-        if self.prefetcher is not None:
-            prefetched = self.prefetcher.on_open(relpath, attr, self.remote.timeout_seconds)
-            if prefetched.staged is not None:
-                self._set_buffer(f, 0, prefetched.staged, "prefetch")
-            elif prefetched.into_cache:
-                f.cache_source = "prefetch"
+        result = "hit" if hit else "miss"
+        if prefetched is not None and prefetched.staged is not None:
+            self._set_buffer(f, 0, prefetched.staged, "prefetch")
+            result = "prefetched"
+        elif prefetched is not None and prefetched.into_cache and hit:
+            f.cache_source = "prefetch"
+            result = "prefetched"
+        self._opens[result].inc()
         handle = next(self._next_handle)
         self._handles[handle] = f
         return handle

@@ -24,7 +24,7 @@ FSTYPE = "fuse.cachefs"
 CONTROL_NAME = ".cachefs.sock"
 SEND_TIMEOUT_SECONDS = 1.0
 RETRY_SECONDS = 5.0
-MOUNTINFO_REFRESH_SECONDS = 10.0
+MOUNTINFO_REFRESH_SECONDS = 1.0
 
 _warned: set[str] = set()
 
@@ -64,28 +64,39 @@ def cachefs_mounts() -> list[str]:
 
 
 class MountIndex:
-    """Which cachefs mount a path is under; cached per directory.  Thread safety: a lock."""
+    """Which cachefs mount a path is under.  Thread safety: a lock.
+
+    Answers are cached per directory.  A path on no known mount makes the mount
+    table be read again, at most once a second: a mount made after this process
+    started is found, and a loop over paths on no mount stays cheap.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._mounts: list[str] = []
         self._read_at = -1e9
-        self._by_dir: dict[str, str | None] = {}
+        self._by_dir: dict[str, str] = {}
 
     def root_of(self, path: str) -> str | None:
         directory = os.path.dirname(path)
         with self._lock:
-            if directory in self._by_dir:
-                return self._by_dir[directory]
+            root = self._by_dir.get(directory)
+            if root is not None:
+                return root
+            root = self._find(path)
             now = time.monotonic()
-            if now - self._read_at > MOUNTINFO_REFRESH_SECONDS:
+            if root is None and now - self._read_at > MOUNTINFO_REFRESH_SECONDS:
                 self._mounts, self._read_at = cachefs_mounts(), now
-            root = next((m for m in self._mounts
-                         if path == m or path.startswith(m.rstrip("/") + "/")), None)
-            if len(self._by_dir) > 100_000:
-                self._by_dir.clear()
-            self._by_dir[directory] = root
+                root = self._find(path)
+            if root is not None:
+                if len(self._by_dir) > 100_000:
+                    self._by_dir.clear()
+                self._by_dir[directory] = root
             return root
+
+    def _find(self, path: str) -> str | None:
+        return next((m for m in self._mounts
+                     if path == m or path.startswith(m.rstrip("/") + "/")), None)
 
 
 class DaemonLink:

@@ -52,6 +52,11 @@ class DataLoader(torch.utils.data.DataLoader):
             batches = HintingBatchSampler(plain.batch_sampler, path_of, lookahead=lookahead,
                                           loader_generator=plain.generator)
             super().__init__(dataset, batch_sampler=batches, **rest)
+            # ``loader.sampler`` stays the user's sampler, so that the usual
+            # ``loader.sampler.set_epoch(epoch)`` reaches a DistributedSampler.  With a
+            # batch sampler torch only reads ``sampler`` for its length; the attribute is
+            # frozen after __init__, hence object.__setattr__.
+            object.__setattr__(self, "sampler", plain.sampler)
         else:
             # Without automatic batching every item is a "batch" of one sample.
             indices = HintingSampler(plain.sampler, path_of, lookahead=lookahead,

@@ -119,7 +119,7 @@ class _Lookahead:
         if isinstance(sampler, RandomSampler) and sampler.generator is None:
             return None  # seeded from torch's global RNG at the start of the epoch
         try:
-            twin = copy.deepcopy(self.source)
+            twin = copy.deepcopy(self.source, memo=_shared_data(self.source, sampler))
         except Exception:
             return None
         twin_sampler = getattr(twin, "sampler", twin)
@@ -131,6 +131,18 @@ class _Lookahead:
             # before the sampler runs: advance the copy the same way.
             torch.empty((), dtype=torch.int64).random_(generator=twin_sampler.generator)
         return iter(twin)
+
+
+def _shared_data(*samplers) -> dict:
+    """A deepcopy memo that keeps the samplers' datasets shared, not copied: the twin
+    needs only their length, and copying a dataset of a million paths takes seconds."""
+    memo = {}
+    for sampler in samplers:
+        for name in ("data_source", "dataset"):
+            data = getattr(sampler, name, None)
+            if data is not None:
+                memo[id(data)] = data
+    return memo
 
 
 def _same(a, b) -> bool:
@@ -160,6 +172,11 @@ class HintingBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self._engine)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to the wrapped batch sampler's sampler (a DistributedSampler)."""
+        inner = getattr(self.batch_sampler, "sampler", self.batch_sampler)
+        inner.set_epoch(epoch)  # type: ignore[union-attr]
+
     def __len__(self) -> int:
         return len(self.batch_sampler)  # type: ignore[arg-type]
 
@@ -178,6 +195,10 @@ class HintingSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._engine)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to the wrapped sampler (a DistributedSampler's reshuffle)."""
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
