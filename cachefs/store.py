@@ -407,6 +407,7 @@ class CacheStore:
             report.ineligible_files += not eligible
             if fix and not (healthy and eligible):
                 self._forget(key, numbers, record.version, multi_chunk=count > 1)
+                kept.update(names)  # accounted for above, not unaccounted orphans
                 continue
             report.files += 1
             report.chunks += len(numbers)

@@ -5,8 +5,10 @@ responsive and recovers by itself, and no wrong byte is ever served."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -18,8 +20,10 @@ from cachefs.index import data_key
 from cachefs.layout import CacheLayout
 from cachefs.store import CHUNK_BYTES
 from tests.conftest import (
+    disk_usage,
     errno_of,
     make_files,
+    run_cachefs,
     shuffled_read_all,
     turn_read_only,
     wait_for,
@@ -381,3 +385,144 @@ def test_damaged_chunks_are_never_served_and_are_refetched(source, remote, mount
     assert mount.metric("cachefs_file_opens_total", result="hit") - hits == len(rels)
     assert mount.metric("cachefs_remote_read_bytes_total") == remote_before
     assert mount.metric("cachefs_integrity_failures_total") == len(DAMAGE) + 1
+
+
+# -- the daemon dies ------------------------------------------------------------------------------
+
+def _complete_files(cache_dir: Path, scratch: Path) -> set[str]:
+    """Files the index (a copy of it, so the daemon's own reconciliation is not disturbed)
+    records as stored whole."""
+    from cachefs.index import CacheIndex, split_key
+    from cachefs.store import chunk_count
+
+    shutil.copytree(cache_dir / "index", scratch)
+    index = CacheIndex(scratch)
+    try:
+        complete = set()
+        for key in index.all_keys():
+            if split_key(key)[1] is None:
+                record = index.get_file(key)
+                if record.stored_chunks >= chunk_count(record.attr.size):
+                    complete.add(os.fsdecode(key))
+        return complete
+    finally:
+        index.close()
+
+
+def test_kill_9_while_caching_then_mount_again(tmp_path, source, remote, mount_cachefs):
+    rels = make_files(source, 1500, size=(5_000, 40_000))
+    for i in range(3):
+        (source / f"shard{i}.bin").write_bytes(random.Random(i).randbytes(9 * 2**20))
+    rels += [f"shard{i}.bin" for i in range(3)]
+    capacity = 24 * 2**20  # less than the ~60 MB of data: the budget matters too
+    remote.configure(read_ms=1.0, open_ms=0.5)
+    mount = mount_cachefs(remote.path, cache_size=capacity)
+
+    stop = threading.Event()
+
+    def reader(seed: int) -> None:
+        order = list(rels)
+        random.Random(seed).shuffle(order)
+        for rel in order:
+            if stop.is_set():
+                return
+            try:
+                (mount.path / rel).read_bytes()
+            except OSError:
+                return  # the daemon is gone
+
+    readers = [threading.Thread(target=reader, args=(seed,), daemon=True) for seed in range(8)]
+    for thread in readers:
+        thread.start()
+    # Kill it in the middle of filling the cache, with fills in flight.
+    wait_for(lambda: mount.metric("cachefs_cache_bytes") >= capacity // 3, timeout=60,
+             interval=0.05, what="a third of the cache filled")
+    mount.kill()
+    stop.set()
+    for thread in readers:
+        thread.join(30)
+    assert errno_of(lambda: os.listdir(mount.path)) == errno.ENOTCONN  # a stale mount
+    complete = _complete_files(mount.cache_dir, tmp_path / "index-copy")
+    assert complete
+
+    # Mount again: the stale mount is cleaned up by `cachefs mount` itself.
+    result = run_cachefs(*mount.command())
+    assert result.returncode == 0, result.stderr
+    assert "stale mount" in result.stderr
+    mount.pid = mount.status()["pid"]
+    mount.metrics_url = mount.status()["metrics_url"]
+
+    # Entries complete before the crash are served as they are, without the remote.
+    remote_before = remote.stats()["read_bytes"]
+    want = {r: (source / r).read_bytes() for r in rels}
+    assert shuffled_read_all(mount.path, sorted(complete), seed=1) == \
+        {r: want[r] for r in complete}
+    assert remote.stats()["read_bytes"] == remote_before
+    assert mount.metric("cachefs_remote_read_bytes_total") == 0
+    assert mount.metric("cachefs_file_opens_total", result="hit") == len(complete)
+    # Everything else reads right too; nothing half-written was kept.
+    assert shuffled_read_all(mount.path, rels, seed=2) == want
+    assert mount.metric("cachefs_integrity_failures_total") == 0
+    assert os.listdir(mount.cache_dir / "tmp") == []
+    assert disk_usage(mount.cache_dir) <= capacity
+    assert mount.metric("cachefs_cache_bytes") <= capacity
+
+
+# -- cachefs verify -------------------------------------------------------------------------------
+
+def test_verify_refuses_a_cache_dir_in_use(source, remote, mount_cachefs):
+    make_files(source, 3)
+    mount = mount_cachefs(remote.path)
+    result = run_cachefs("verify", "--cache-dir", str(mount.cache_dir))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "in use" in lines[0] and str(mount.pid) in lines[0], lines
+    assert "Traceback" not in result.stderr
+
+
+def test_verify_checks_every_chunk_and_drops_the_bad_ones(source, remote, mount_cachefs):
+    rels = make_files(source, 30, size=(1000, 100_000))
+    (source / "shard.bin").write_bytes(random.Random(5).randbytes(9 * 2**20))
+    rels.append("shard.bin")
+    mount = mount_cachefs(remote.path)
+    want = shuffled_read_all(mount.path, rels, seed=1)
+    damaged = {"flipped": rels[0], "truncated": rels[1], "deleted": rels[2],
+               "shard": "shard.bin"}
+    paths = {what: chunk_file(mount, rel) for what, rel in damaged.items() if what != "shard"}
+    paths["shard"] = chunk_file(mount, "shard.bin", 2)
+    mount.stop()
+
+    _flip(paths["flipped"])
+    _truncate(paths["truncated"])
+    os.unlink(paths["deleted"])
+    _flip(paths["shard"])
+    (mount.cache_dir / "tmp" / "half-written-fill").write_bytes(b"x" * 1000)
+    stray = mount.cache_dir / "data" / "00" / "not-in-the-index"
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"y" * 1000)
+
+    result = run_cachefs("verify", "--cache-dir", str(mount.cache_dir), "--json")
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert report["corrupt_chunks"] == 3  # flipped, truncated, the shard's third chunk
+    assert report["missing_chunks"] == 1
+    assert report["leftover_fills"] == 1
+    assert report["orphan_files"] == 1
+    assert report["files"] == len(rels) - len(damaged)
+    # Every stored chunk was read: the intact small files and the shard's two good chunks.
+    assert report["chunks_verified"] == len(rels) - len(damaged) + 2
+    assert not stray.exists()
+    assert os.listdir(mount.cache_dir / "tmp") == []
+
+    again = run_cachefs("verify", "--cache-dir", str(mount.cache_dir))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "no problems found" in again.stdout
+    assert f"verified {len(rels) - len(damaged)} chunks" in again.stdout
+
+    # Mounted again: the dropped files come from the remote, the rest from the cache.
+    mount.start()
+    assert shuffled_read_all(mount.path, rels, seed=2) == want
+    assert mount.metric("cachefs_file_opens_total", result="hit") == len(rels) - len(damaged)
+    assert mount.metric("cachefs_remote_read_bytes_total") == \
+        sum(len(want[r]) for r in damaged.values())
+    assert mount.metric("cachefs_integrity_failures_total") == 0
