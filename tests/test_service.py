@@ -188,6 +188,8 @@ def test_unit_keeps_the_mount_visible_and_restarts_on_failure():
                    "ProtectControlGroups", "ProtectClock", "MemoryDenyWriteExecute",
                    "ReadOnlyPaths", "InaccessiblePaths", "TemporaryFileSystem"):
         assert hiding not in service, hiding
+    # A umask that hides the control socket's directory from the training jobs' users.
+    assert "UMask" not in service
     assert service["Type"] == ["notify"]
     assert service["Restart"] == ["on-failure"]
     assert "--foreground" in service["ExecStart"][0].split()
