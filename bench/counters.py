@@ -1,0 +1,68 @@
+"""Snapshots of the counters a variant is judged by: cachefs /metrics and the remote's own.
+
+A snapshot is a flat dict of numbers; an epoch's figures are the difference of two.
+``remote_*`` keys come from the emulated remote (what really crossed the "network", for any
+variant); ``cachefs_*`` keys from the cachefs mount's Prometheus endpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Snapshot = dict[str, float]
+
+
+def cachefs_snapshot(metrics_text: str) -> Snapshot:
+    """The cachefs figures the benchmark uses, from one scrape of /metrics."""
+    wanted = {
+        ("cachefs_remote_read_bytes_total", ()): "cachefs_remote_bytes",
+        ("cachefs_prefetch_files_total", (("result", "used"),)): "cachefs_prefetch_used",
+        ("cachefs_prefetch_files_total", (("result", "wasted"),)): "cachefs_prefetch_wasted",
+        ("cachefs_prefetch_files_total", (("result", "failed"),)): "cachefs_prefetch_failed",
+        ("cachefs_hints_total", (("result", "accepted"),)): "cachefs_hints_accepted",
+        ("cachefs_hints_total", (("result", "dropped"),)): "cachefs_hints_dropped",
+        ("cachefs_cache_bytes", ()): "cachefs_cache_bytes",
+    }
+    found: Snapshot = dict.fromkeys(wanted.values(), 0.0)
+    found.update(cachefs_hit_opens=0.0, cachefs_miss_opens=0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "cachefs_file_opens_total":
+                # Every result counts as an open (hit, miss and any finer kind of miss).
+                found[f"cachefs_{sample.labels.get('result')}_opens"] = float(sample.value)
+                continue
+            key = wanted.get((sample.name, tuple(sorted(sample.labels.items()))))
+            if key is not None:
+                found[key] = float(sample.value)
+    return found
+
+
+def cachefs_opens(snapshot: Snapshot) -> float:
+    """Files opened on the mount, whatever the result."""
+    return sum(v for k, v in snapshot.items() if k.startswith("cachefs_") and k.endswith("_opens"))
+
+
+def emulator_snapshot(stats: dict) -> Snapshot:
+    """The emulated remote's counters (bench.remote.EmulatedRemote.stats())."""
+    return {"remote_bytes": float(stats.get("read_bytes", 0)),
+            "remote_opens": float(stats.get("opens", 0))}
+
+
+def combined(*sources: Callable[[], Snapshot]) -> Callable[[], Snapshot]:
+    """One snapshot function reading several sources in turn."""
+    def snapshot() -> Snapshot:
+        merged: Snapshot = {}
+        for source in sources:
+            merged.update(source())
+        return merged
+    return snapshot
+
+
+def delta(before: Snapshot, after: Snapshot) -> Snapshot:
+    """after - before, key by key; gauges (cache bytes) keep their final value."""
+    out = {key: after[key] - before.get(key, 0.0) for key in after}
+    if "cachefs_cache_bytes" in after:
+        out["cachefs_cache_bytes"] = after["cachefs_cache_bytes"]
+    return out

@@ -1,0 +1,299 @@
+"""The training loop: a real torch DataLoader over a dataset path, a simulated GPU step.
+
+Per batch the loop measures how long it was blocked in ``next(loader)`` (the data stall), then
+sleeps ``step_ms`` as a GPU step would. Before every epoch it drops the page cache, so that
+"local" reads are disk reads and nothing the previous epoch read is free.
+
+Each variant's loop runs in a process of its own (:func:`run_in_child`), so DataLoader workers,
+torch state and client connections never leak from one variant into the next. The child asks the
+parent for a counter snapshot at each epoch boundary, over a pipe: the parent owns the mounts
+and knows where their counters are.
+
+Standalone, on any directory of files (a cachefs mount, a remote, a local copy)::
+
+    python3 -m bench.driver PATH [--epochs 3] [--workers 8] [--batch 128] [--step-ms 87] [--hints]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from bench.counters import Snapshot, delta
+
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+SNAPSHOT = "snapshot"
+
+
+@dataclass
+class LoopConfig:
+    """What one variant's loop does. ``examples``: (path relative to root, offset, length)."""
+
+    root: str
+    examples: list[tuple[str, int, int]]
+    whole_files: bool
+    epochs: int
+    batch_size: int
+    num_workers: int
+    step_ms: float
+    unpaced_epochs: int = 0
+    hints: bool = False
+    seed: int = 0
+    drop_caches: bool = True
+    # How DataLoader workers start. A child made with "spawn" inherits "spawn" as its default,
+    # and spawned workers each import torch again (seconds per worker on a small machine):
+    # the parent passes the platform's own default, which a training script would get.
+    worker_start_method: str = field(default_factory=multiprocessing.get_start_method)
+
+
+@dataclass
+class EpochResult:
+    epoch: int
+    paced: bool
+    samples: int
+    bytes_read: int
+    seconds: float
+    wait_seconds: float
+    samples_per_second: float
+    stall_fraction: float
+    wait_p50_ms: float
+    wait_p99_ms: float
+    wait_max_ms: float
+    late_batches: int  # batches that waited longer than one step
+    counters: Snapshot = field(default_factory=dict)
+
+
+class ExampleDataset:
+    """Examples as (path, offset, length); an item is the number of bytes read.
+
+    Whole files are read with open().read(), as ImageFolder does; records of shard files with
+    os.pread at their offset. Returning the length rather than the bytes keeps worker-to-loop
+    traffic out of the measurement (a real pipeline returns a decoded tensor of its own size).
+    """
+
+    def __init__(self, root: str, examples: list[tuple[str, int, int]], whole_files: bool):
+        self.paths = [os.path.join(root, path) for path, _, _ in examples]
+        self.offsets = [offset for _, offset, _ in examples]
+        self.lengths = [length for _, _, length in examples]
+        self.whole_files = whole_files
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def path_of(self, index: int) -> str:
+        return self.paths[index]
+
+    def __getitem__(self, index: int) -> int:
+        if self.whole_files:
+            with open(self.paths[index], "rb") as f:
+                data = f.read()
+        else:
+            fd = os.open(self.paths[index], os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.pread(fd, self.lengths[index], self.offsets[index])
+            finally:
+                os.close(fd)
+        if len(data) != self.lengths[index]:
+            raise OSError(f"{self.paths[index]}: read {len(data)} bytes, expected "
+                          f"{self.lengths[index]}")
+        return len(data)
+
+
+def drop_page_cache() -> None:
+    """Write back, then drop clean pages, dentries and inodes (needs root)."""
+    os.sync()
+    with open(DROP_CACHES, "w") as f:
+        f.write("3\n")
+
+
+def _percentile(values: list[float], share: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def _loader(config: LoopConfig):
+    import torch
+    import torch.utils.data
+
+    # More workers than cores is deliberate: they wait on I/O, not on the CPU.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    dataset = ExampleDataset(config.root, config.examples, config.whole_files)
+    generator = torch.Generator().manual_seed(config.seed)
+    # The same arguments with and without hints, so both variants see the same batches;
+    # otherwise torch's defaults (workers are started anew every epoch).
+    kwargs = dict(batch_size=config.batch_size, shuffle=True, num_workers=config.num_workers,
+                  generator=generator, drop_last=False)
+    if config.num_workers > 0:
+        kwargs["multiprocessing_context"] = config.worker_start_method
+    if config.hints:
+        from cachefs_client import DataLoader
+
+        return DataLoader(dataset, path_of=dataset.path_of, **kwargs)
+    return torch.utils.data.DataLoader(dataset, **kwargs)
+
+
+def run_loop(config: LoopConfig, snapshot: Callable[[], Snapshot],
+             report: Callable[[EpochResult], None]) -> None:
+    """Run the epochs; ``report`` gets each epoch's figures as soon as it ends."""
+    loader = _loader(config)
+    step = config.step_ms / 1000.0
+    for epoch in range(1, config.epochs + config.unpaced_epochs + 1):
+        paced = epoch <= config.epochs
+        if config.drop_caches:
+            drop_page_cache()
+        before = snapshot()
+        waits: list[float] = []
+        samples = bytes_read = 0
+        started = time.perf_counter()
+        batches = iter(loader)
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            waits.append(time.perf_counter() - asked)
+            samples += len(batch)
+            bytes_read += int(batch.sum())
+            if paced and step > 0:
+                time.sleep(step)
+        seconds = time.perf_counter() - started
+        after = snapshot()
+        wait = sum(waits)
+        report(EpochResult(
+            epoch=epoch, paced=paced, samples=samples, bytes_read=bytes_read, seconds=seconds,
+            wait_seconds=wait, samples_per_second=samples / seconds if seconds else 0.0,
+            stall_fraction=wait / seconds if seconds else 0.0,
+            wait_p50_ms=1000 * (statistics.median(waits) if waits else 0.0),
+            wait_p99_ms=1000 * _percentile(waits, 0.99),
+            wait_max_ms=1000 * max(waits, default=0.0),
+            late_batches=sum(w > step for w in waits) if paced else 0,
+            counters=delta(before, after)))
+
+
+# -- one variant in a child process ------------------------------------------------------------
+
+def _child(config: LoopConfig, conn) -> None:
+    def snapshot() -> Snapshot:
+        conn.send((SNAPSHOT,))
+        return conn.recv()
+
+    try:
+        run_loop(config, snapshot, lambda result: conn.send(("epoch", asdict(result))))
+        conn.send(("done",))
+    except BaseException as exc:  # reported to the parent, which decides what to do
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+class LoopFailed(RuntimeError):
+    """The training loop of a variant failed or hung; the message has the child's traceback."""
+
+
+def run_in_child(config: LoopConfig, snapshot: Callable[[], Snapshot],
+                 on_epoch: Callable[[dict], None], timeout_s: float) -> list[dict]:
+    """Run :func:`run_loop` in a fresh process; serve its snapshot requests; return the epochs."""
+    # spawn: a clean interpreter, nothing inherited from the parent's threads or mounts.
+    context = multiprocessing.get_context("spawn")
+    parent_end, child_end = context.Pipe()
+    process = context.Process(target=_child, args=(config, child_end), daemon=False)
+    epochs: list[dict] = []
+    process.start()
+    child_end.close()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LoopFailed(f"the training loop did not finish within {timeout_s:.0f} s")
+            if not parent_end.poll(min(remaining, 1.0)):
+                if not process.is_alive() and not parent_end.poll(0):
+                    raise LoopFailed(f"the training loop died (exit code {process.exitcode})")
+                continue
+            try:
+                message = parent_end.recv()
+            except EOFError:
+                raise LoopFailed("the training loop died without a word "
+                                 f"(exit code {process.exitcode})") from None
+            if message[0] == SNAPSHOT:
+                parent_end.send(snapshot())
+            elif message[0] == "epoch":
+                epochs.append(message[1])
+                on_epoch(message[1])
+            elif message[0] == "done":
+                return epochs
+            else:
+                raise LoopFailed(message[1])
+    finally:
+        parent_end.close()
+        process.join(timeout=10)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+# -- standalone --------------------------------------------------------------------------------
+
+def _walk(root: str) -> list[tuple[str, int, int]]:
+    found = []
+    for directory, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(directory, name)
+            found.append((os.path.relpath(path, root), 0, os.path.getsize(path)))
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m bench.driver",
+                                     description="Train on every file under PATH and report "
+                                     "samples/s and data stall per epoch.")
+    parser.add_argument("path")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--step-ms", type=float, default=87.0)
+    parser.add_argument("--hints", action="store_true", help="send cachefs prefetch hints")
+    parser.add_argument("--no-drop-caches", action="store_true",
+                        help="keep the page cache between epochs (when not root)")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.path):
+        parser.exit(2, f"{parser.prog}: {args.path} is not a directory\n")
+    examples = _walk(args.path)
+    if not examples:
+        parser.exit(2, f"{parser.prog}: no files under {args.path}\n")
+    config = LoopConfig(root=args.path, examples=examples, whole_files=True, epochs=args.epochs,
+                        batch_size=args.batch, num_workers=args.workers, step_ms=args.step_ms,
+                        hints=args.hints, drop_caches=not args.no_drop_caches)
+
+    def show(e: EpochResult) -> None:
+        print(f"epoch {e.epoch}: {e.samples_per_second:8.0f} samples/s  stall "
+              f"{e.stall_fraction:6.1%}  wait p50 {e.wait_p50_ms:6.1f} ms  p99 "
+              f"{e.wait_p99_ms:6.1f} ms", flush=True)
+
+    try:
+        run_loop(config, dict, show)
+    except PermissionError:
+        parser.exit(1, f"{parser.prog}: cannot drop the page cache (not root); pass "
+                    "--no-drop-caches\n")
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Files per second through the FUSE path when every file is already in the cache.
+
+A training loop's hits never touch the remote, so what bounds them is the cost of FUSE and of
+the daemon per file. Measured with a plain multi-threaded read loop (no DataLoader), no hints,
+cachefs at F = 1.0 after one pass has filled the cache, against the same loop on the local
+copy. Each measured pass starts with the page cache dropped, so both read the disk; one more
+pass with the page cache kept shows the best case.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench import counters
+from bench.dataset import Dataset
+from bench.driver import drop_page_cache
+from bench.measure import cache_budget, remote_path
+from bench.mounts import CachefsMount, MountError
+from bench.remote import EmulatedRemote
+from bench.settings import RunSettings
+
+COLD_PASSES = 2
+
+
+def _read_whole(path: str) -> int:
+    with open(path, "rb") as f:
+        return len(f.read())
+
+
+def read_pass(paths: list[str], threads: int, *, drop: bool, seed: int) -> float:
+    """Read every file once in a shuffled order; files/s."""
+    order = list(paths)
+    random.Random(seed).shuffle(order)
+    if drop:
+        drop_page_cache()
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in pool.map(_read_whole, order, chunksize=16):
+            pass
+    return len(order) / (time.perf_counter() - started)
+
+
+def _passes(root: Path, files: list[str], threads: int) -> dict:
+    paths = [str(root / name) for name in files]
+    cold = [read_pass(paths, threads, drop=True, seed=i) for i in range(COLD_PASSES)]
+    warm = read_pass(paths, threads, drop=False, seed=COLD_PASSES)
+    return {"cold_passes": [round(x) for x in cold], "cold": round(max(cold)),
+            "page_cache": round(warm)}
+
+
+def measure(data: Dataset, remote: EmulatedRemote, settings: RunSettings, run_dir: Path,
+            log: Callable[[str], None]) -> dict:
+    files = data.files
+    result: dict = {"files": len(files), "file_bytes": data.examples[0].length,
+                    "threads": settings.fps_threads, "error": None}
+    try:
+        result["local"] = _passes(data.root, files, settings.fps_threads)
+        log(f"  local copy: {result['local']['cold']} files/s (page cache dropped), "
+            f"{result['local']['page_cache']} (kept)")
+        work = run_dir / "filerate"
+        shutil.rmtree(work, ignore_errors=True)
+        with CachefsMount(remote_path(remote, data), work / "mnt", work / "cache",
+                          cache_size_bytes=cache_budget(1.0, data), fraction=1.0,
+                          log_file=settings.out_dir / "logs" / "filerate.log") as mount:
+            mnt = [str(mount.path / name) for name in files]
+            read_pass(mnt, settings.fps_threads, drop=False, seed=0)  # fills the cache
+            before = counters.cachefs_snapshot(mount.metrics_text())
+            result["cachefs"] = _passes(mount.path, files, settings.fps_threads)
+            seen = counters.delta(before, counters.cachefs_snapshot(mount.metrics_text()))
+        opens = counters.cachefs_opens(seen)
+        result["cachefs"]["hit_ratio"] = seen["cachefs_hit_opens"] / opens if opens else None
+        result["cachefs"]["remote_bytes"] = seen["cachefs_remote_bytes"]
+        log(f"  cachefs f=1 warm: {result['cachefs']['cold']} files/s (page cache dropped), "
+            f"{result['cachefs']['page_cache']} (kept), hit ratio {result['cachefs']['hit_ratio']}")
+    except (MountError, OSError, RuntimeError) as exc:
+        result["error"] = str(exc).splitlines()[0]
+        log(f"  files/s: FAILED: {result['error']}")
+    finally:
+        shutil.rmtree(run_dir / "filerate", ignore_errors=True)
+    return result

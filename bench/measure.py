@@ -1,0 +1,109 @@
+"""Measuring one variant: mount what it needs, run its training loop in a child, unmount.
+
+The emulated remote serves the datasets directory for the whole run; every variant but
+``local`` reads through it, so its counters say what crossed the "network" for any of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import counters
+from bench.dataset import Dataset
+from bench.driver import LoopConfig, LoopFailed, run_in_child
+from bench.mounts import CachefsMount, MountError, RcloneMount
+from bench.remote import EmulatedRemote
+from bench.settings import RunSettings
+from bench.variants import CACHEFS, DIRECT, LOCAL, RCLONE, Variant
+
+BLOCK_BYTES = 4096
+# The cache budget covers the kept files with room to spare: which files are kept is a hash
+# draw, so the kept share of bytes is F only on average; and the budget also counts the index
+# and directories. Without the slack the cache would fill up before every kept file is in.
+BUDGET_SLACK = 0.10
+BUDGET_OVERHEAD_BYTES = 16 * 2**20
+
+
+def allocated_bytes(sizes: list[int]) -> int:
+    """What the files occupy on disk, in whole blocks."""
+    return sum(-(-size // BLOCK_BYTES) * BLOCK_BYTES for size in sizes)
+
+
+def cache_budget(fraction: float, dataset: Dataset) -> int:
+    """The --cache-size for a fraction: the kept share of the data, plus slack and overhead."""
+    data = allocated_bytes(list(dataset.file_sizes().values()))
+    return int(fraction * data * (1 + BUDGET_SLACK)) + BUDGET_OVERHEAD_BYTES
+
+
+def remote_path(remote: EmulatedRemote, dataset: Dataset) -> Path:
+    """Where the remote serves ``dataset`` (its root relative to the remote's source)."""
+    return remote.path / dataset.root.relative_to(remote.source)
+
+
+def measure_variant(variant: Variant, dataset: Dataset, remote: EmulatedRemote,
+                    settings: RunSettings, run_dir: Path,
+                    log: Callable[[str], None]) -> dict:
+    """Figures of every epoch of ``variant``, or the error that stopped it."""
+    result: dict = {"variant": variant.name, "kind": variant.kind, "fraction": variant.fraction,
+                    "hints": variant.hints, "epochs": [], "error": None}
+    work = run_dir / variant.name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    started = time.monotonic()
+    try:
+        with contextlib.ExitStack() as mounts:
+            root, snapshot = _reach(variant, dataset, remote, settings, work, mounts, result)
+            config = LoopConfig(
+                root=str(root), examples=[(e.path, e.offset, e.length) for e in dataset.examples],
+                whole_files=dataset.spec.kind == "images", epochs=settings.epochs,
+                unpaced_epochs=settings.unpaced_epochs, batch_size=settings.batch,
+                num_workers=settings.workers, step_ms=settings.step_ms, hints=variant.hints,
+                seed=settings.seed)
+
+            def show(epoch: dict) -> None:
+                log(f"  {variant.name:<20} epoch {epoch['epoch']}"
+                    f"{'' if epoch['paced'] else ' (unpaced)'}: "
+                    f"{epoch['samples_per_second']:7.0f} samples/s, stall "
+                    f"{epoch['stall_fraction']:6.1%}, wait p99 {epoch['wait_p99_ms']:6.1f} ms")
+
+            result["epochs"] = run_in_child(config, snapshot, show, settings.variant_timeout_s)
+    except (LoopFailed, MountError, OSError, RuntimeError) as exc:
+        result["error"] = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        result["error_detail"] = str(exc)
+        log(f"  {variant.name}: FAILED: {result['error']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["wall_seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def _reach(variant: Variant, dataset: Dataset, remote: EmulatedRemote, settings: RunSettings,
+           work: Path, mounts: contextlib.ExitStack, result: dict):
+    """(directory the loop reads, snapshot function), mounting what the variant needs."""
+    def emulator() -> counters.Snapshot:
+        return counters.emulator_snapshot(remote.stats())
+
+    if variant.kind == LOCAL:
+        return dataset.root, dict
+    if variant.kind == DIRECT:
+        return remote_path(remote, dataset), emulator
+    if variant.kind == CACHEFS:
+        budget = cache_budget(variant.fraction, dataset)
+        result["cache_size_bytes"] = budget
+        mount = mounts.enter_context(CachefsMount(
+            remote_path(remote, dataset), work / "mnt", work / "cache", cache_size_bytes=budget,
+            fraction=variant.fraction, log_file=settings.out_dir / "logs" / f"{variant.name}.log"))
+        return mount.path, counters.combined(
+            emulator, lambda: counters.cachefs_snapshot(mount.metrics_text()))
+    if variant.kind == RCLONE:
+        budget = cache_budget(variant.fraction, dataset)
+        result["cache_size_bytes"] = budget
+        mount = mounts.enter_context(RcloneMount(
+            remote_path(remote, dataset), work / "mnt", work / "cache", cache_size_bytes=budget,
+            log_file=settings.out_dir / "logs" / f"{variant.name}.log"))
+        return mount.path, emulator
+    raise ValueError(f"unknown variant kind {variant.kind!r}")

@@ -1,0 +1,184 @@
+"""The mounts a benchmark variant reads through: cachefs (through its CLI) and rclone.
+
+Each is a context manager that returns once the mount serves and, on the way out, leaves
+nothing mounted, whatever happened inside: a clean unmount first, then ``fusermount -uz``,
+then the daemon is killed. The emulated remote itself is bench.remote.EmulatedRemote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bench import slowfs
+
+REPO = Path(__file__).resolve().parent.parent
+MOUNT_TIMEOUT_S = 60.0
+UNMOUNT_TIMEOUT_S = 30.0
+RCLONE_START_TIMEOUT_S = 30.0
+# rclone only enforces --vfs-cache-max-size when it polls the cache (every minute by default);
+# a shorter poll keeps it within the same budget as cachefs during short epochs.
+RCLONE_CACHE_POLL = "2s"
+
+
+class MountError(RuntimeError):
+    """A mount that did not come up; the message says why and where the log is."""
+
+
+def _cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _force_unmount(path: Path) -> None:
+    if slowfs.is_mounted(path) and not slowfs.fusermount(path):
+        slowfs.fusermount(path, lazy=True)
+
+
+class CachefsMount:
+    """``cachefs mount BACKING PATH ...`` as a user runs it; ``metrics_url`` once mounted."""
+
+    def __init__(self, backing: Path, path: Path, cache_dir: Path, *, cache_size_bytes: int,
+                 fraction: float, log_file: Path, extra_args: tuple[str, ...] = ()) -> None:
+        self.backing = backing
+        self.path = path
+        self.cache_dir = cache_dir
+        self.cache_size_bytes = cache_size_bytes
+        self.fraction = fraction
+        self.log_file = log_file
+        self.extra_args = extra_args
+        self.pid: int | None = None
+        self.metrics_url: str | None = None
+
+    def _cli(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True,
+                              text=True, timeout=timeout, env=_cli_env(), cwd=REPO)
+
+    def __enter__(self) -> CachefsMount:
+        self.path.mkdir(parents=True, exist_ok=True)
+        if slowfs.is_mounted(self.path):
+            raise MountError(f"{self.path} is already a mount point")
+        try:
+            result = self._cli(
+                "mount", str(self.backing), str(self.path), "--cache-dir", str(self.cache_dir),
+                "--cache-size", str(self.cache_size_bytes), "--fraction", f"{self.fraction:g}",
+                "--metrics-addr", "127.0.0.1:0", "--log-file", str(self.log_file),
+                *self.extra_args, timeout=MOUNT_TIMEOUT_S)
+            if result.returncode != 0:
+                raise MountError(f"cachefs mount failed: {result.stderr.strip()} "
+                                 f"(log: {self.log_file})")
+            status = self._cli("status", "--json", str(self.path), timeout=MOUNT_TIMEOUT_S)
+            if status.returncode != 0:
+                raise MountError(f"cachefs status failed: {status.stderr.strip()}")
+            info = json.loads(status.stdout)
+            self.pid = info.get("pid")
+            self.metrics_url = info.get("metrics_url")
+            if not self.metrics_url:
+                raise MountError("cachefs serves no /metrics; the benchmark needs them")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return response.read().decode()
+
+    def close(self) -> None:
+        """Unmount and wait for the daemon; escalate until nothing is left mounted."""
+        if slowfs.is_mounted(self.path):
+            try:
+                self._cli("unmount", str(self.path), timeout=UNMOUNT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            _force_unmount(self.path)
+        if self.pid and not _wait_gone(self.pid, UNMOUNT_TIMEOUT_S):
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.pid = None
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class RcloneMount:
+    """``rclone mount`` of a ``local`` remote over ``backing`` with a full VFS cache."""
+
+    def __init__(self, backing: Path, path: Path, cache_dir: Path, *, cache_size_bytes: int,
+                 log_file: Path) -> None:
+        self.backing = backing
+        self.path = path
+        self.cache_dir = cache_dir
+        self.cache_size_bytes = cache_size_bytes
+        self.log_file = log_file
+        self._proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        config = self.cache_dir / "rclone.conf"
+        return ["rclone", "mount", "--config", str(config), f"bench:{self.backing}",
+                str(self.path), "--read-only", "--vfs-cache-mode", "full",
+                "--vfs-cache-max-size", str(self.cache_size_bytes),
+                "--vfs-cache-poll-interval", RCLONE_CACHE_POLL,
+                "--cache-dir", str(self.cache_dir / "vfs"), "--log-file", str(self.log_file),
+                "--log-level", "NOTICE"]
+
+    def __enter__(self) -> RcloneMount:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if slowfs.is_mounted(self.path):
+            raise MountError(f"{self.path} is already a mount point")
+        (self.cache_dir / "rclone.conf").write_text("[bench]\ntype = local\n")
+        try:
+            self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True)
+            deadline = time.monotonic() + RCLONE_START_TIMEOUT_S
+            while not slowfs.is_mounted(self.path):
+                if self._proc.poll() is not None:
+                    raise MountError(f"rclone mount exited with {self._proc.returncode}; "
+                                     f"see {self.log_file}")
+                if time.monotonic() > deadline:
+                    raise MountError(f"rclone did not mount within {RCLONE_START_TIMEOUT_S:g} s")
+                time.sleep(0.1)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        _force_unmount(self.path)
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for ask in (lambda: None, proc.terminate, proc.kill):
+            if proc.poll() is not None:
+                break
+            ask()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                continue
+        _force_unmount(self.path)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

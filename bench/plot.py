@@ -1,0 +1,48 @@
+"""The results plot: samples/s and data stall per epoch, one line per variant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def draw(results: dict, path: Path) -> bool:
+    """Write the PNG; False when there is nothing to draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a benchmark machine
+    import matplotlib.pyplot as plt
+
+    measured = [v for v in results["variants"] if v["epochs"]]
+    if not measured:
+        return False
+    settings = results["settings"]
+    fig, (speed, stall) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for v in measured:
+        epochs = [e["epoch"] for e in v["epochs"]]
+        style = "-" if v["hints"] or v["kind"] != "cachefs" else "--"
+        line, = speed.plot(epochs, [e["samples_per_second"] for e in v["epochs"]], style,
+                           marker="o", label=v["variant"])
+        stall.plot(epochs, [100 * e["stall_fraction"] for e in v["epochs"]], style, marker="o",
+                   color=line.get_color(), label=v["variant"])
+    speed.axhline(settings["pace"], color="grey", linestyle=":", label="pace")
+    speed.set(xlabel="epoch", ylabel="samples/s", title="Training throughput", yscale="log")
+    stall.axhline(5, color="grey", linestyle=":", label="5 % stall")
+    stall.set(xlabel="epoch", ylabel="% of the epoch blocked on data", title="Data stall",
+              ylim=(0, 100))
+    if settings["unpaced_epochs"]:
+        for axis in (speed, stall):
+            axis.axvspan(settings["epochs"] + 0.5, settings["epochs"] + settings["unpaced_epochs"]
+                         + 0.5, color="grey", alpha=0.12, label="unpaced")
+    for axis in (speed, stall):
+        axis.set_xticks(range(1, settings["epochs"] + settings["unpaced_epochs"] + 1))
+        axis.grid(alpha=0.3)
+    stall.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    machine = results["machine"]
+    fig.suptitle(f"{results['dataset']['name']}, {settings['profile']} remote, batch "
+                 f"{settings['batch']}, {settings['workers']} workers, pace {settings['pace']:.0f}"
+                 f" samples/s; {machine['cores']} cores ({machine['cpu']}), {machine['date']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,155 @@
+"""Writing a run's results: latest.json (raw), latest.md (tables and verdicts), latest.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import plot, targets
+
+MIB = 2**20
+
+
+def _mib(value: float | None) -> str:
+    return "—" if value is None else f"{value / MIB:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def epoch_rows(results: dict) -> list[dict]:
+    """One row per variant and epoch, with the derived figures; failed variants get one row."""
+    total = results["dataset"]["bytes"]
+    rows = []
+    for v in results["variants"]:
+        if v["error"] and not v["epochs"]:
+            rows.append({"variant": v["variant"], "error": v["error"]})
+            continue
+        for e in v["epochs"]:
+            rows.append({"variant": v["variant"], "error": None, **e,
+                         **targets.epoch_figures(v, e, total)})
+    return rows
+
+
+def _epoch_label(row: dict) -> str:
+    return str(row["epoch"]) + ("" if row["paced"] else " (unpaced)")
+
+
+def console_table(results: dict) -> str:
+    """The per-epoch table as plain text, for a terminal."""
+    header = (f"{'variant':<20} {'epoch':>12} {'samples/s':>10} {'stall':>7} {'p99 wait':>9} "
+              f"{'hit ratio':>9} {'remote MiB':>11} {'floor MiB':>10}")
+    lines = [header, "-" * len(header)]
+    for row in epoch_rows(results):
+        if row["error"]:
+            lines.append(f"{row['variant']:<20} FAILED: {row['error']}")
+            continue
+        lines.append(
+            f"{row['variant']:<20} {_epoch_label(row):>12} {row['samples_per_second']:>10.0f} "
+            f"{row['stall_fraction']:>7.1%} {row['wait_p99_ms']:>7.1f}ms "
+            f"{_ratio(row['hit_ratio']):>9} {_mib(row['remote_bytes']):>11} "
+            f"{_mib(row['floor_bytes']):>10}")
+    return "\n".join(lines)
+
+
+def _verdict_text(met: bool | None) -> str:
+    return {True: "met", False: "**missed**", None: "n/a"}[met]
+
+
+def markdown(results: dict, png_name: str | None) -> str:
+    s = results["settings"]
+    m = results["machine"]
+    d = results["dataset"]
+    out = ["# cachefs benchmark", ""]
+    out += [f"Run of {m['date']} on {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, "
+            f"Linux {m['kernel']} (Python {m['python']}, torch {m['torch']}, {m['rclone']}); "
+            f"{results['seconds']:.0f} s in all.", ""]
+    out += [f"Dataset `{d['name']}`: {d['examples']:,} examples in {d['files']:,} files, "
+            f"{d['bytes'] / MIB:.0f} MiB, behind an emulated `{s['profile']}` remote "
+            "(bench/slowfs.py). "
+            f"DataLoader: {s['workers']} workers, batch {s['batch']}, shuffled; a simulated GPU "
+            f"step of {s['step_ms']:.1f} ms per batch, so a pace of {s['pace']:.0f} samples/s; "
+            f"{s['epochs']} paced epoch(s) per variant"
+            + (f" then {s['unpaced_epochs']} without the step (the loader's capacity)"
+               if s["unpaced_epochs"] else "")
+            + "; page cache dropped before every epoch. Each variant ran in a process of its "
+            "own, on a fresh cache.", ""]
+    out += ["Settings: `" + json.dumps({k: v for k, v in s.items()
+                                         if k not in ("out_dir", "work_dir")}) + "`", ""]
+
+    reaches = targets.machine_reaches_pace(results, s["step_ms"])
+    if reaches is False:
+        out += [f"> **This machine cannot keep a pace of {s['pace']:.0f} samples/s even from "
+                "its local disk** (the `local` variant misses it), so no variant can: "
+                "rerun with a lower `--pace` to compare the variants at a pace the machine "
+                "can feed.", ""]
+    elif reaches is None:
+        out += ["> The `local` variant was not measured: whether the machine itself keeps the "
+                "pace is unknown.", ""]
+
+    out += ["## Targets", "", "| target | variant | measured | verdict |", "|---|---|---|---|"]
+    for v in results["verdicts"]:
+        out.append(f"| {v['target']} | {v['variant']} | {v['measured']} | "
+                   f"{_verdict_text(v['met'])} |")
+    meeting = [v["variant"] for v in results["variants"]
+               if targets.meets_pace(v, s["step_ms"])]
+    out += ["", f"Variants that keep the pace of {s['pace']:.0f} samples/s: "
+            + (", ".join(f"`{n}`" for n in meeting) if meeting else "none") + ".", ""]
+
+    out += ["## Per epoch", "",
+            "Hit ratio: cachefs's own (file opens served wholly by the cache); for the other "
+            "variants, the share of bytes read that the remote did not serve. Remote MiB: "
+            "cachefs's `cachefs_remote_read_bytes_total`, else what the emulated remote served; "
+            "in brackets what the emulated remote served to cachefs. Floor: (1 - f) x dataset.",
+            "",
+            "| variant | epoch | samples/s | stall | wait p50 ms | wait p99 ms | hit ratio | "
+            "remote MiB | floor MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in epoch_rows(results):
+        if row["error"]:
+            out.append(f"| {row['variant']} | failed: {row['error']} | | | | | | | |")
+            continue
+        remote = _mib(row["remote_bytes"])
+        if row["variant"].startswith("cachefs") and row["emulator_bytes"] is not None:
+            remote += f" ({_mib(row['emulator_bytes'])})"
+        out.append(
+            f"| {row['variant']} | {_epoch_label(row)} | {row['samples_per_second']:.0f} | "
+            f"{row['stall_fraction']:.1%} | {row['wait_p50_ms']:.1f} | {row['wait_p99_ms']:.1f} "
+            f"| {_ratio(row['hit_ratio'])} | {remote} | {_mib(row['floor_bytes'])} |")
+    failed = [v for v in results["variants"] if v["error"]]
+    if failed:
+        out += ["", "Failures:", ""]
+        out += [f"* `{v['variant']}`: {v['error']}" for v in failed]
+
+    fps = results.get("files_per_second")
+    if fps:
+        out += ["", "## Files/s on a warm cache", ""]
+        if fps.get("error"):
+            out.append(f"Failed: {fps['error']}")
+        else:
+            out += [f"{fps['files']:,} files of {fps['file_bytes'] // 1024} KiB read whole by "
+                    f"{fps['threads']} threads in a shuffled order (no DataLoader), cachefs at "
+                    "f = 1.0 after one pass filled its cache, no hints.", "",
+                    "| path | files/s, page cache dropped (best of passes) | files/s, page cache "
+                    "kept |", "|---|---|---|",
+                    f"| local copy | {fps['local']['cold']:,} ({fps['local']['cold_passes']}) | "
+                    f"{fps['local']['page_cache']:,} |",
+                    f"| cachefs | {fps['cachefs']['cold']:,} ({fps['cachefs']['cold_passes']}) | "
+                    f"{fps['cachefs']['page_cache']:,} |", "",
+                    f"cachefs hit ratio during the measured passes: "
+                    f"{_ratio(fps['cachefs']['hit_ratio'])}, remote bytes "
+                    f"{_mib(fps['cachefs']['remote_bytes'])} MiB."]
+    if png_name:
+        out += ["", f"![samples/s and stall per epoch]({png_name})"]
+    return "\n".join(out) + "\n"
+
+
+def write(results: dict, out_dir: Path, stem: str = "latest") -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    png_path = out_dir / f"{stem}.png"
+    drawn = plot.draw(results, png_path)
+    md_path = out_dir / f"{stem}.md"
+    md_path.write_text(markdown(results, png_path.name if drawn else None))
+    return [md_path, json_path] + ([png_path] if drawn else [])

@@ -1,0 +1,121 @@
+"""The benchmark: every variant, one run, results as Markdown, PNG and JSON.
+
+    python3 -m bench.run            # the full run, about 10-15 minutes on 2 cores
+    python3 -m bench.run --quick    # the smoke run CI does, about 1-2 minutes
+    python3 -m bench.run --help     # sizes, epochs, workers, batch, pace, profile, variants
+
+Results go to bench/results/ (latest.md, latest.png, latest.json); --quick writes to
+bench/results/quick/ so that CI never overwrites the committed results.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import dataset as dataset_mod
+from bench import filerate, machine, report, slowfs, targets
+from bench.measure import measure_variant
+from bench.remote import EmulatedRemote
+from bench.settings import RunSettings, build_parser, settings_from_args
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _clear_leftovers(run_dir: Path) -> None:
+    """Unmount what an earlier run killed with SIGKILL left mounted under run_dir."""
+    if not run_dir.exists():
+        return
+    for directory, dirs, _ in os.walk(run_dir, topdown=True):
+        for name in list(dirs):
+            path = Path(directory) / name
+            if slowfs.is_mounted(path):
+                slowfs.fusermount(path, lazy=True)
+                dirs.remove(name)
+
+
+def _eligible_shares(data: dataset_mod.Dataset, fractions: tuple[float, ...]) -> dict:
+    """Share of the files cachefs keeps at each fraction (seed 0), by its own admission rule:
+    the hit ratio a perfect run shows, which differs from F by the luck of the hash draw."""
+    from cachefs.admission import FractionAdmission
+
+    files = data.files
+    return {f"{f:g}": sum(map(FractionAdmission(f).eligible, files)) / len(files)
+            for f in fractions}
+
+
+def _sigterm_as_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
+    """Measure every selected variant; returns the raw results (also what latest.json holds)."""
+    if os.geteuid() != 0:
+        raise PermissionError("the benchmark mounts FUSE file systems and drops the page cache: "
+                              "run it as root")
+    datasets_dir = settings.work_dir / "datasets"
+    run_dir = settings.work_dir / "run"
+    _clear_leftovers(run_dir)
+    (settings.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    data = dataset_mod.ensure(datasets_dir, settings.dataset_spec(), log)
+    fps_data = (dataset_mod.ensure(datasets_dir, settings.fps_spec(), log)
+                if settings.fps_files else None)
+    results: dict = {"settings": settings.public(), "machine": machine.describe(),
+                     "dataset": {"name": data.spec.name(), "examples": len(data.examples),
+                                 "files": len(data.files), "bytes": data.total_bytes},
+                     "variants": [], "files_per_second": None}
+    log(f"dataset {data.spec.name()}: {len(data.examples)} examples, "
+        f"{data.total_bytes / 2**20:.0f} MiB; pace {settings.pace:.0f} samples/s "
+        f"(batch {settings.batch} every {settings.step_ms:.1f} ms), remote profile "
+        f"{settings.profile}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "remote").mkdir(exist_ok=True)
+    with EmulatedRemote(datasets_dir, run_dir / "remote", profile=settings.profile,
+                        log_file=settings.out_dir / "logs" / "remote.log") as remote:
+        for variant in settings.variants:
+            log(f"{variant.name}:")
+            results["variants"].append(
+                measure_variant(variant, data, remote, settings, run_dir, log))
+        if fps_data is not None:
+            log(f"files/s of {settings.fps_files} files of 64 KiB, warm cache, "
+                f"{settings.fps_threads} threads:")
+            results["files_per_second"] = filerate.measure(fps_data, remote, settings, run_dir,
+                                                           log)
+    results["dataset"]["eligible_share"] = _eligible_shares(data, settings.fractions)
+    results["seconds"] = round(time.time() - started, 1)
+    results["verdicts"] = targets.evaluate(results, settings)
+    return results
+
+
+def main(argv: list[str] | None = None, preset: str = "full") -> int:
+    parser = build_parser("python3 -m bench.run", "Measure training throughput and data stall "
+                          "through cachefs and its alternatives.", quick_flag=True)
+    settings = settings_from_args(parser, argv, preset)
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        results = run(settings)
+    except KeyboardInterrupt:
+        print("bench: interrupted; every mount was unmounted", file=sys.stderr)
+        return 130
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"bench: {exc}".splitlines()[0], file=sys.stderr)
+        return 1
+    paths = report.write(results, settings.out_dir)
+    print(report.console_table(results))
+    print("\n".join(f"wrote {p}" for p in paths))
+    failed = [v["variant"] for v in results["variants"] if v["error"]]
+    if failed:
+        print(f"bench: {len(failed)} variant(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The figures each epoch is judged by, and the verdicts on the project's targets.
+
+Verdicts are computed, never asserted: a missed target is a finding of the run, written into
+the results with the margin by which it was missed. Steady state means the paced epochs from
+the second on (the first fills the cache).
+"""
+
+from __future__ import annotations
+
+from bench.counters import cachefs_opens
+from bench.settings import RunSettings
+from bench.variants import CACHEFS, LOCAL, PEER_FRACTION
+
+HIT_RATIO_TOLERANCE = 0.01
+REMOTE_BYTES_SLACK = 1.02
+SPEEDUP_OVER_DIRECT = 3.0
+SPEEDUP_OVER_RCLONE = 4.0
+MAX_STALL = 0.05
+MIN_FILES_PER_SECOND = 4000
+
+
+def epoch_figures(variant: dict, epoch: dict, dataset_bytes: int) -> dict:
+    """Hit ratio, remote bytes and their floor for one epoch of one variant.
+
+    cachefs: the hit ratio is its own (file opens served wholly by the cache) and remote bytes
+    its cachefs_remote_read_bytes_total. Other variants have no such counters: their remote
+    bytes are what the emulated remote served, and their hit ratio the share of the bytes read
+    that it did not serve. The floor is (1 - f) of the dataset, f the variant's fraction or
+    cache budget's fraction.
+    """
+    c = epoch["counters"]
+    fraction = variant["fraction"] or 0.0
+    out = {"hit_ratio": None, "remote_bytes": None, "emulator_bytes": c.get("remote_bytes"),
+           "floor_bytes": None if variant["kind"] == LOCAL else (1 - fraction) * dataset_bytes}
+    if variant["kind"] == CACHEFS:
+        opens = cachefs_opens(c)
+        out["hit_ratio"] = c["cachefs_hit_opens"] / opens if opens else None
+        out["remote_bytes"] = c["cachefs_remote_bytes"]
+    elif variant["kind"] != LOCAL:
+        out["remote_bytes"] = c["remote_bytes"]
+        read = epoch["bytes_read"]
+        out["hit_ratio"] = max(0.0, 1 - c["remote_bytes"] / read) if read else None
+    return out
+
+
+def steady(variant: dict) -> list[dict]:
+    return [e for e in variant["epochs"] if e["paced"] and e["epoch"] >= 2]
+
+
+def unpaced(variant: dict) -> list[dict]:
+    return [e for e in variant["epochs"] if not e["paced"]]
+
+
+def meets_pace(variant: dict, step_ms: float) -> bool | None:
+    """Every steady epoch: 99 % of batches within one step, and at most MAX_STALL waiting."""
+    epochs = steady(variant)
+    if variant["error"] or not epochs:
+        return None
+    return all(e["wait_p99_ms"] <= step_ms and e["stall_fraction"] <= MAX_STALL for e in epochs)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _verdict(target: str, met: bool | None, measured: str, variant: str = "") -> dict:
+    return {"target": target, "variant": variant, "met": met, "measured": measured}
+
+
+def _by_name(results: dict) -> dict[str, dict]:
+    return {v["variant"]: v for v in results["variants"]}
+
+
+def _cache_verdicts(results: dict) -> list[dict]:
+    total = results["dataset"]["bytes"]
+    eligible = results["dataset"].get("eligible_share", {})
+    out = []
+    for v in results["variants"]:
+        if v["kind"] != CACHEFS:
+            continue
+        f = v["fraction"]
+        figures = [epoch_figures(v, e, total) for e in steady(v)]
+        if v["error"] or not figures:
+            out.append(_verdict(f"hit ratio = {f:g} ± {HIT_RATIO_TOLERANCE}", None,
+                                "not measured", v["variant"]))
+            out.append(_verdict("remote bytes <= 1.02 x floor", None, "not measured",
+                                v["variant"]))
+            continue
+        ratios = [x["hit_ratio"] or 0.0 for x in figures]
+        share = eligible.get(f"{f:g}")
+        note = f" (share of files the hash keeps: {share:.3f})" if share is not None else ""
+        out.append(_verdict(
+            f"hit ratio = {f:g} ± {HIT_RATIO_TOLERANCE}",
+            all(abs(r - f) <= HIT_RATIO_TOLERANCE for r in ratios),
+            f"{min(ratios):.3f} - {max(ratios):.3f}{note}", v["variant"]))
+        limit = REMOTE_BYTES_SLACK * (1 - f) * total
+        worst = max(x["remote_bytes"] for x in figures)
+        out.append(_verdict(
+            "remote bytes <= 1.02 x (1 - f) x dataset", worst <= limit,
+            f"{worst / 2**20:.1f} MiB, limit {limit / 2**20:.1f} MiB "
+            f"({worst / total:.3f} of the dataset)", v["variant"]))
+    return out
+
+
+def _speed(v: dict | None) -> tuple[float | None, str]:
+    """Samples/s a variant sustains: its unpaced epochs (the loader's capacity) if any, else its
+    steady paced epochs."""
+    if v is None or v["error"]:
+        return None, ""
+    free = unpaced(v)
+    if free:
+        return _mean([e["samples_per_second"] for e in free]), "unpaced"
+    return _mean([e["samples_per_second"] for e in steady(v)]), "paced"
+
+
+def _speedup_verdicts(results: dict) -> list[dict]:
+    variants = _by_name(results)
+    name = f"cachefs-f{PEER_FRACTION:g}-hints"
+    ours, how = _speed(variants.get(name))
+    out = []
+    for peer, factor in (("direct", SPEEDUP_OVER_DIRECT), ("rclone", SPEEDUP_OVER_RCLONE)):
+        theirs, _ = _speed(variants.get(peer))
+        target = f"samples/s >= {factor:g}x {peer}"
+        if ours is None or not theirs:
+            out.append(_verdict(target, None, "not measured", name))
+            continue
+        ratio = ours / theirs
+        out.append(_verdict(target, ratio >= factor,
+                            f"{ratio:.2f}x ({ours:.0f} vs {theirs:.0f} samples/s, {how})", name))
+    return out
+
+
+def _pace_verdicts(results: dict, settings: RunSettings) -> list[dict]:
+    step = settings.step_ms
+    target = (f"pace {settings.pace:.0f} samples/s: p99 batch wait <= {step:.1f} ms and "
+              f"stall <= {MAX_STALL:.0%}")
+    out = []
+    for v in results["variants"]:
+        epochs = steady(v)
+        met = meets_pace(v, step)
+        measured = "not measured" if met is None else (
+            f"p99 wait {max(e['wait_p99_ms'] for e in epochs):.1f} ms, stall "
+            f"{max(e['stall_fraction'] for e in epochs):.1%}, "
+            f"{min(e['samples_per_second'] for e in epochs):.0f} samples/s")
+        out.append(_verdict(target, met, measured, v["variant"]))
+    name = f"cachefs-f{PEER_FRACTION:g}-hints"
+    v = _by_name(results).get(name)
+    if v is None or v["error"] or not steady(v):
+        out.append(_verdict(f"stall <= {MAX_STALL:.0%}", None, "not measured", name))
+    else:
+        worst = max(e["stall_fraction"] for e in steady(v))
+        out.append(_verdict(f"stall <= {MAX_STALL:.0%}", worst <= MAX_STALL,
+                            f"{worst:.1%} (worst steady epoch)", name))
+    return out
+
+
+def _files_per_second_verdict(results: dict) -> list[dict]:
+    fps = results.get("files_per_second")
+    target = (f"warm-cache FUSE reads >= {MIN_FILES_PER_SECOND:,} files/s "
+              "(64 KiB, page cache dropped)")
+    if not fps or fps.get("error") or "cachefs" not in fps:
+        return [_verdict(target, None, "not measured", "cachefs-f1")]
+    rate = fps["cachefs"]["cold"]
+    return [_verdict(target, rate >= MIN_FILES_PER_SECOND,
+                     f"{rate:,} files/s (local copy {fps['local']['cold']:,})", "cachefs-f1")]
+
+
+def evaluate(results: dict, settings: RunSettings) -> list[dict]:
+    return (_cache_verdicts(results) + _speedup_verdicts(results)
+            + _pace_verdicts(results, settings) + _files_per_second_verdict(results))
+
+
+def machine_reaches_pace(results: dict, step_ms: float) -> bool | None:
+    """Whether the local copy itself keeps the pace: if not, no variant can."""
+    local = _by_name(results).get(LOCAL)
+    return None if local is None else meets_pace(local, step_ms)
