@@ -189,11 +189,17 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         raise UsageError(f"config file {path} is a directory, not a TOML file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
-    for key in raw:
-        if key not in PARSERS:
+    # Keys are the flag names, spelt cache-size or cache_size as the writer prefers.
+    settings: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in PARSERS:
             known = ", ".join(sorted(PARSERS))
             raise UsageError(f"config file {path}: unknown setting {key!r} (known: {known})")
-    return raw
+        if name in settings:
+            raise UsageError(f"config file {path}: {key!r} is set twice")
+        settings[name] = value
+    return settings
 
 
 def build_settings(raw: dict[str, Any], *, config_file: str | None = None,

@@ -18,7 +18,6 @@ user may read.
 
 from __future__ import annotations
 
-import array
 import json
 import logging
 import os
@@ -47,20 +46,10 @@ class Peer:
 
 @dataclass
 class Reply:
-    """A JSON line to send back, with descriptors passed alongside (SCM_RIGHTS)."""
+    """A JSON line to send back, and raw bytes right after it (its body says how many)."""
 
     body: dict
-    fds: tuple[int, ...] = ()
-    # Raw bytes sent right after the JSON line (its body says how many).
     payload: bytes = b""
-    # Descriptors to close once sent (the daemon's copies).
-    close_fds: bool = True
-
-    def close(self) -> None:
-        """Release the daemon's copies of the descriptors (sent or not)."""
-        if self.close_fds:
-            for fd in self.fds:
-                os.close(fd)
 
 
 Handler = Callable[[Peer, bytes], Reply | None]
@@ -149,8 +138,7 @@ class ControlServer:
                         # The client stopped reading (or closed after writing): the
                         # requests it already sent are still carried out.
                         listening = False
-                elif reply is not None:
-                    reply.close()
+
         except OSError:
             pass  # the client went away
         except Exception:
@@ -202,11 +190,8 @@ def _send(conn: socket.socket, reply: Reply) -> None:
     message = json.dumps(reply.body, separators=(",", ":")).encode() + b"\n"
     conn.settimeout(SEND_TIMEOUT_SECONDS)
     try:
-        if reply.fds:
-            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", reply.fds))]
-            sent = conn.sendmsg([message], ancillary)
-            message = message[sent:]
-        conn.sendall(message + reply.payload)
+        conn.sendall(message)
+        if reply.payload:
+            conn.sendall(reply.payload)
     finally:
         conn.settimeout(None)
-        reply.close()

@@ -32,13 +32,15 @@ from cachefs.index import FileRecord
 from cachefs.metrics import OPEN_RESULTS, READ_SOURCES, Metrics
 from cachefs.prefetch import Prefetcher
 from cachefs.remote import Remote, RemoteFile
-from cachefs.store import CHUNK_BYTES, CacheStore, chunk_span
+from cachefs.store import CHUNK_BYTES, CacheStore, chunk_count, chunk_span
 
 log = logging.getLogger(__name__)
 
 # The hidden entry at the root of the mount that leads to the control socket.
 # Not listed by readdir, so `diff -r BACKING MOUNTPOINT` stays clean.
 CONTROL_NAME = ".cachefs.sock"
+# Larger files are read through the mount, chunk by chunk, rather than held whole.
+MAX_WHOLE_READ_BYTES = 64 * 2**20
 
 
 @dataclass(eq=False)
@@ -115,6 +117,15 @@ class CachedTree:
         attr = self.attrs.get(relpath)
         if not attr.is_file:
             raise IsADirectoryError(relpath) if attr.is_dir else PermissionError(relpath)
+        f, result = self._settle(relpath, attr)
+        self._opens[result].inc()
+        handle = next(self._next_handle)
+        self._handles[handle] = f
+        return handle
+
+    def _settle(self, relpath: str, attr: Attr) -> tuple[OpenFile, str]:
+        """What is already local for an open of this file, and whether that makes the open
+        a hit, prefetched or a miss."""
         key = relpath_key(relpath)
         # Settle the prefetcher first: a prefetch into the cache that finishes now must
         # be seen by the lookup below, not fetched a second time.
@@ -136,10 +147,37 @@ class CachedTree:
         elif prefetched is not None and prefetched.into_cache and hit:
             f.cache_source = "prefetch"
             result = "prefetched"
+        return f, result
+
+    def read_whole(self, relpath: str, attr: Attr) -> tuple[bytes, str] | None:
+        """The whole file and how it was found (hit or prefetched), when it is local and
+        small enough to hand over at once; None when it must be read through the mount.
+
+        This is the control socket's fast path: no FUSE round trips, the same checks
+        (revalidated attributes, checksums) and the same metrics as a read by the mount.
+        """
+        if not attr.is_file or attr.size > MAX_WHOLE_READ_BYTES:
+            return None
+        f, result = self._settle(relpath, attr)
+        if result == "miss":
+            return None  # the mount fetches it (and counts the open)
+        if f.buffer_source == "prefetch" and len(f.buffer) == attr.size:
+            data, source = f.buffer, "prefetch"
+        else:
+            pieces = []
+            for number in range(chunk_count(attr.size)):
+                try:
+                    piece = self.store.read_chunk(f.key, f.record, number) \
+                        if f.record is not None else None
+                except CacheCorrupt:
+                    piece = None  # dropped and counted by the store; the mount refetches
+                if piece is None:
+                    return None
+                pieces.append(piece)
+            data, source = b"".join(pieces), f.cache_source
         self._opens[result].inc()
-        handle = next(self._next_handle)
-        self._handles[handle] = f
-        return handle
+        self._read_bytes[source].inc(len(data))
+        return data, result
 
     def release(self, handle: int) -> None:
         f = self._handles.pop(handle, None)

@@ -167,6 +167,7 @@ class _ProcessState:
         self.pid = os.getpid()
         self.mounts = MountIndex()
         self.links: dict[str, DaemonLink] = {}
+        self.readers: dict = {}  # mount root -> fastpath.DaemonReader
         self.lock = threading.Lock()
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch.utils.data
 
+from cachefs_client.fastpath import read_file
+
 
 def default_path_of(dataset) -> Callable[[int], Any]:
     """``index -> path`` for the common dataset shapes; TypeError naming the fix otherwise."""
@@ -54,6 +56,5 @@ class FileDataset(torch.utils.data.Dataset):
         return self.files[index]
 
     def __getitem__(self, index: int):
-        with open(self.files[index], "rb") as f:
-            data = f.read()
+        data = read_file(self.files[index])
         return self.transform(data) if self.transform else (data, index)

@@ -1,0 +1,189 @@
+"""The fast path (``cachefs_client.read_file``): a local file's bytes straight from the
+daemon, with every guarantee of a read through the mount."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from cachefs_client import read_file
+from tests.conftest import REPO, make_files
+
+
+def control_socket(mount) -> str:
+    return os.readlink(mount.path / ".cachefs.sock")
+
+
+def served(mount, source: str) -> float:
+    return mount.metric("cachefs_read_bytes_total", source=source)
+
+
+def test_cached_files_come_from_the_daemon_and_match(source, remote, mount_cachefs):
+    rels = make_files(source, 30, size=(0, 9 * 2**20 // 30))
+    (source / "empty.bin").write_bytes(b"")
+    (source / "big.bin").write_bytes(os.urandom(9 * 2**20))  # three chunks
+    rels += ["empty.bin", "big.bin"]
+    mount = mount_cachefs(remote.path, cache_size="256MiB")
+    for rel in rels:  # the first read goes through the mount and fills the cache
+        assert read_file(mount.path / rel) == (source / rel).read_bytes()
+    misses = mount.metric("cachefs_file_opens_total", result="miss")
+    hits = mount.metric("cachefs_file_opens_total", result="hit")
+    cache_bytes = served(mount, "cache")
+    remote_bytes = mount.metric("cachefs_remote_read_bytes_total")
+    for rel in rels:
+        assert read_file(mount.path / rel) == (source / rel).read_bytes()
+    assert mount.metric("cachefs_file_opens_total", result="hit") - hits == len(rels)
+    assert mount.metric("cachefs_file_opens_total", result="miss") == misses
+    assert mount.metric("cachefs_remote_read_bytes_total") == remote_bytes
+    assert served(mount, "cache") - cache_bytes == sum((source / r).stat().st_size
+                                                       for r in rels)
+
+
+def test_errors_are_those_of_the_mount(source, mount_cachefs):
+    make_files(source, 2, size=100)
+    mount = mount_cachefs(source, cache_size="64MiB")
+    with pytest.raises(FileNotFoundError):
+        read_file(mount.path / "no-such-file")
+    with pytest.raises(IsADirectoryError):
+        read_file(mount.path / "class0000")
+    assert read_file(mount.path / "class0000/../class0000/img000001.bin") == \
+        (source / "class0000/img000001.bin").read_bytes()
+
+
+def test_prefetched_files_are_taken_from_staging(source, remote, mount_cachefs):
+    """f = 0: nothing is cached, but a hinted file is staged and handed over once."""
+    rels = make_files(source, 5, size=50_000)
+    mount = mount_cachefs(remote.path, cache_size="64MiB", fraction=0.0)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(control_socket(mount))
+        sock.sendall(b"".join(b"HINT " + r.encode() + b"\n" for r in rels))
+    deadline = time.monotonic() + 20
+    while mount.metric("cachefs_staging_bytes") < 5 * 50_000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for rel in rels:
+        assert read_file(mount.path / rel) == (source / rel).read_bytes()
+    assert served(mount, "prefetch") == 5 * 50_000
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 5
+    # Taken once: the next read is an ordinary miss through the mount.
+    assert read_file(mount.path / rels[0]) == (source / rels[0]).read_bytes()
+    assert mount.metric("cachefs_file_opens_total", result="miss") == 1
+
+
+def test_a_corrupt_chunk_is_never_handed_over(source, remote, mount_cachefs):
+    (source / "a.bin").write_bytes(os.urandom(100_000))
+    mount = mount_cachefs(remote.path, cache_size="64MiB")
+    assert read_file(mount.path / "a.bin") == (source / "a.bin").read_bytes()
+    [chunk] = [p for p in (mount.cache_dir / "data").rglob("*") if p.is_file()]
+    raw = bytearray(chunk.read_bytes())
+    raw[500] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    assert read_file(mount.path / "a.bin") == (source / "a.bin").read_bytes()
+    assert mount.metric("cachefs_integrity_failures_total") == 1
+
+
+def test_a_changed_file_is_not_served_stale(source, remote, mount_cachefs):
+    (source / "a.bin").write_bytes(b"old" * 1000)
+    mount = mount_cachefs(remote.path, cache_size="64MiB", revalidate=1)
+    assert read_file(mount.path / "a.bin") == b"old" * 1000
+    assert read_file(mount.path / "a.bin") == b"old" * 1000
+    (source / "a.bin").write_bytes(b"new!" * 1000)
+    time.sleep(1.5)
+    assert read_file(mount.path / "a.bin") == b"new!" * 1000
+
+
+def test_a_daemon_without_the_fast_path_falls_back(tmp_path, source, mount_cachefs):
+    """A server that answers READ with nonsense: the bytes come through the mount."""
+    make_files(source, 1, size=300)
+    mount = mount_cachefs(source, cache_size="64MiB")
+    rel = "class0000/img000000.bin"
+    assert read_file(mount.path / rel) == (source / rel).read_bytes()
+    result = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT, str(mount.path / rel)],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(300)
+
+
+FALLBACK_SCRIPT = """
+import sys, warnings
+from cachefs_client import fastpath
+reader = fastpath.reader_for(fastpath.process_state().mounts.root_of(sys.argv[1]))
+class Garbage:
+    def readline(self, limit): return b"not json\\n"
+    def close(self): pass
+reader._connect_locked()
+reader._replies = Garbage()
+with warnings.catch_warnings(record=True):
+    warnings.simplefilter("always")
+    print(len(fastpath.read_file(sys.argv[1])))
+"""
+
+
+@pytest.fixture
+def shared_dirs():
+    """Directories every user may traverse (pytest's own tmp dirs are root-only)."""
+    base = Path(tempfile.mkdtemp(prefix="cachefs-perm-"))
+    base.chmod(0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+AS_NOBODY = """
+import errno, json, os, socket, sys
+from cachefs_client.fastpath import read_file
+path, sock_path, rel = sys.argv[1:]
+out = {}
+try:
+    read_file(path)
+    out["read_file"] = "ok"
+except OSError as exc:
+    out["read_file"] = errno.errorcode[exc.errno]
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(sock_path)
+    s.sendall(b"READ " + rel.encode() + b"\\n")
+    out["reply"] = json.loads(s.makefile("rb").readline())
+print(json.dumps(out))
+"""
+
+
+def test_the_daemon_checks_who_asks(shared_dirs, mount_cachefs):
+    """A user who may not read a file gets EACCES, from the daemon as from the kernel."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to run as another user")
+    backing = shared_dirs / "backing"
+    backing.mkdir(mode=0o755)
+    (backing / "secret.bin").write_bytes(b"private" * 100)
+    (backing / "secret.bin").chmod(0o600)
+    # The client's fast path, where that user can import it from (this checkout and the
+    # site-packages with torch may be out of its reach).
+    lib = shared_dirs / "lib" / "cachefs_client"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text("")
+    for module in ("_daemon.py", "fastpath.py"):
+        shutil.copy(REPO / "client" / "cachefs_client" / module, lib / module)
+    mount = mount_cachefs(backing, name=str(shared_dirs / "mnt"), cache_dir=shared_dirs / "cache",
+                          cache_size="64MiB", allow_other=True)
+    # Reading it as root puts it in the cache: only permissions stand in the way now.
+    assert read_file(mount.path / "secret.bin") == b"private" * 100
+    result = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, "-c", AS_NOBODY, str(mount.path / "secret.bin"),
+         control_socket(mount), "secret.bin"],
+        capture_output=True, text=True, timeout=60, cwd=str(shared_dirs),
+        env={**os.environ, "PYTHONPATH": str(shared_dirs / "lib")})
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["read_file"] == errno.errorcode[errno.EACCES]
+    assert out["reply"]["ok"] is False and "size" not in out["reply"]
