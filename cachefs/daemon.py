@@ -95,6 +95,7 @@ class Daemon:
             store = self.store
             store.on_write_error = m.cache_write_errors.inc
             m.cache_capacity_bytes.set(s.cache_size_bytes)
+            m.admission_fraction.set(s.fraction)
             m.bind_gauge(m.cache_bytes, lambda: store.used_bytes)
             m.bind_gauge(m.cache_files, lambda: store.complete_files)
             m.bind_gauge(m.cache_admitting, lambda: float(store.admitting))

@@ -50,6 +50,10 @@ class Metrics:
             "Bytes the cache occupies on disk (data, index, directories)", registry=r)
         self.cache_capacity_bytes = Gauge(
             "cachefs_cache_capacity_bytes", "The cache's byte budget (--cache-size)", registry=r)
+        self.admission_fraction = Gauge(
+            "cachefs_admission_fraction",
+            "Share of the files the cache keeps (--fraction); remote traffic per epoch "
+            "cannot fall below (1 - fraction) of the dataset without hints", registry=r)
         self.cache_files = Gauge(
             "cachefs_cache_files", "Files stored whole in the cache", registry=r)
         self.cache_admitting = Gauge(
