@@ -175,12 +175,17 @@ def ensure(work_dir: Path, spec: DatasetSpec, log=print) -> Dataset:
     examples = _layout(spec, sizes)
     log(f"generating {spec.name()} ({len(examples)} examples, "
         f"{sum(sizes) / 2**20:.0f} MiB) in {directory}")
-    if directory.exists():
-        shutil.rmtree(directory)
-    (directory / "data").mkdir(parents=True)
-    _write(directory / "data", spec, examples)
-    # The manifest last: its presence says the data is complete.
-    partial = directory / (MANIFEST + ".tmp")
-    partial.write_text(json.dumps(_manifest(spec, examples)))
-    os.replace(partial, directory / MANIFEST)
+    # Made under a name of our own and renamed into place when complete, so that a run that
+    # is interrupted, or two runs at the same time, never see a half-written dataset.
+    partial = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    (partial / "data").mkdir(parents=True)
+    try:
+        _write(partial / "data", spec, examples)
+        (partial / MANIFEST).write_text(json.dumps(_manifest(spec, examples)))
+        if load(directory, spec) is None:  # nobody else finished it meanwhile
+            shutil.rmtree(directory, ignore_errors=True)
+            os.rename(partial, directory)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return Dataset(spec, directory / "data", examples)

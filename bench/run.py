@@ -11,6 +11,7 @@ bench/results/quick/ so that CI never overwrites the committed results.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -28,16 +29,30 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _clear_leftovers(run_dir: Path) -> None:
-    """Unmount what an earlier run killed with SIGKILL left mounted under run_dir."""
-    if not run_dir.exists():
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clear_leftovers(runs_dir: Path) -> None:
+    """Unmount and remove what runs killed with SIGKILL left behind (their pid is gone)."""
+    if not runs_dir.exists():
         return
-    for directory, dirs, _ in os.walk(run_dir, topdown=True):
-        for name in list(dirs):
-            path = Path(directory) / name
-            if slowfs.is_mounted(path):
-                slowfs.fusermount(path, lazy=True)
-                dirs.remove(name)
+    for entry in runs_dir.iterdir():
+        if not entry.name.isdigit() or _alive(int(entry.name)):
+            continue
+        for directory, dirs, _ in os.walk(entry, topdown=True):
+            for name in list(dirs):
+                path = Path(directory) / name
+                if slowfs.is_mounted(path):
+                    slowfs.fusermount(path, lazy=True)
+                    dirs.remove(name)
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def _eligible_shares(data: dataset_mod.Dataset, fractions: tuple[float, ...]) -> dict:
@@ -60,8 +75,9 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
         raise PermissionError("the benchmark mounts FUSE file systems and drops the page cache: "
                               "run it as root")
     datasets_dir = settings.work_dir / "datasets"
-    run_dir = settings.work_dir / "run"
-    _clear_leftovers(run_dir)
+    # A directory per run, so that runs at the same time (CI and a developer) do not collide.
+    run_dir = settings.work_dir / "run" / str(os.getpid())
+    _clear_leftovers(run_dir.parent)
     (settings.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     started = time.time()
     data = dataset_mod.ensure(datasets_dir, settings.dataset_spec(), log)
@@ -75,19 +91,22 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
         f"{data.total_bytes / 2**20:.0f} MiB; pace {settings.pace:.0f} samples/s "
         f"(batch {settings.batch} every {settings.step_ms:.1f} ms), remote profile "
         f"{settings.profile}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "remote").mkdir(exist_ok=True)
-    with EmulatedRemote(datasets_dir, run_dir / "remote", profile=settings.profile,
-                        log_file=settings.out_dir / "logs" / "remote.log") as remote:
-        for variant in settings.variants:
-            log(f"{variant.name}:")
-            results["variants"].append(
-                measure_variant(variant, data, remote, settings, run_dir, log))
-        if fps_data is not None:
-            log(f"files/s of {settings.fps_files} files of 64 KiB, warm cache, "
-                f"{settings.fps_threads} threads:")
-            results["files_per_second"] = filerate.measure(fps_data, remote, settings, run_dir,
-                                                           log)
+    (run_dir / "remote").mkdir(parents=True, exist_ok=True)
+    try:
+        with EmulatedRemote(datasets_dir, run_dir / "remote", profile=settings.profile,
+                            log_file=settings.out_dir / "logs" / "remote.log") as remote:
+            for variant in settings.variants:
+                log(f"{variant.name}:")
+                results["variants"].append(
+                    measure_variant(variant, data, remote, settings, run_dir, log))
+            if fps_data is not None:
+                log(f"files/s of {settings.fps_files} files of 64 KiB, warm cache, "
+                    f"{settings.fps_threads} threads:")
+                results["files_per_second"] = filerate.measure(fps_data, remote, settings,
+                                                               run_dir, log)
+    finally:
+        if not slowfs.is_mounted(run_dir / "remote"):
+            shutil.rmtree(run_dir, ignore_errors=True)
     results["dataset"]["eligible_share"] = _eligible_shares(data, settings.fractions)
     results["seconds"] = round(time.time() - started, 1)
     results["verdicts"] = targets.evaluate(results, settings)

@@ -1,0 +1,69 @@
+"""The benchmark's smoke run, as CI does it: real mounts, a tiny dataset, every kind of variant.
+
+It checks what a reader of the results relies on: the files are written, every variant has a
+row per epoch, and the figures that do not depend on the machine's speed are right (cachefs at
+F = 1 hits every file from the second epoch on and reads nothing from the remote; at F = 0 it
+hits nothing and reads the whole dataset; direct reads read every byte from the remote).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Fewer fractions than --quick alone, so the run stays well within the timeout on 2 busy cores.
+VARIANTS = ["local", "direct", "cachefs-f0", "cachefs-f0-hints", "cachefs-f1", "cachefs-f1-hints",
+            "rclone"]
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts FUSE and drops the page cache")
+
+
+def _epoch(result: dict, name: str, number: int) -> dict:
+    variant = next(v for v in result["variants"] if v["variant"] == name)
+    assert variant["error"] is None, f"{name} failed: {variant.get('error_detail')}"
+    return next(e for e in variant["epochs"] if e["epoch"] == number)
+
+
+@pytest.mark.timeout(170)
+def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--fractions", "0,1", "--fps-files", "100",
+         "--variants", ",".join(VARIANTS), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=160)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("latest.md", "latest.json", "latest.png"):
+        assert (out / name).stat().st_size > 0
+
+    result = json.loads((out / "latest.json").read_text())
+    assert [v["variant"] for v in result["variants"]] == VARIANTS
+    dataset_bytes = result["dataset"]["bytes"]
+    for name in VARIANTS:
+        for number in (1, 2):
+            epoch = _epoch(result, name, number)
+            assert epoch["samples"] == result["dataset"]["examples"]
+            assert epoch["bytes_read"] == dataset_bytes
+            assert epoch["samples_per_second"] > 0
+            assert 0 <= epoch["stall_fraction"] <= 1
+
+    for hints in ("", "-hints"):
+        full = _epoch(result, f"cachefs-f1{hints}", 2)["counters"]
+        opens = sum(v for k, v in full.items() if k.startswith("cachefs_") and k.endswith("_opens"))
+        assert full["cachefs_hit_opens"] / opens == pytest.approx(1.0, abs=0.01)
+        assert full["cachefs_remote_bytes"] == 0
+        empty = _epoch(result, f"cachefs-f0{hints}", 2)["counters"]
+        assert empty["cachefs_hit_opens"] == 0
+        assert empty["cachefs_remote_bytes"] >= dataset_bytes
+    assert _epoch(result, "direct", 2)["counters"]["remote_bytes"] == dataset_bytes
+
+    table = (out / "latest.md").read_text()
+    for name in VARIANTS:
+        assert f"| {name} | 2 |" in table
+    assert "## Targets" in table and result["machine"]["cpu"] in table
+    assert result["files_per_second"]["error"] is None
