@@ -68,6 +68,7 @@ class EpochResult:
     wait_p99_ms: float
     wait_max_ms: float
     late_batches: int  # batches that waited longer than one step
+    step_seconds: float  # time in the simulated GPU step (more than asked on a busy machine)
     counters: Snapshot = field(default_factory=dict)
 
 
@@ -154,10 +155,14 @@ def run_loop(config: LoopConfig, snapshot: Callable[[], Snapshot],
         before = snapshot()
         waits: list[float] = []
         samples = bytes_read = 0
+        stepping = 0.0
         started = time.perf_counter()
+        # What a training loop's `for batch in loader` blocks in: iter() (starting the
+        # workers) counts into the first batch's wait; the final next() that ends the epoch
+        # (and stops the workers) counts into the stall, but is no batch.
         batches = iter(loader)
+        asked = started
         while True:
-            asked = time.perf_counter()
             try:
                 batch = next(batches)
             except StopIteration:
@@ -166,10 +171,14 @@ def run_loop(config: LoopConfig, snapshot: Callable[[], Snapshot],
             samples += len(batch)
             bytes_read += int(batch.sum())
             if paced and step > 0:
+                slept = time.perf_counter()
                 time.sleep(step)
-        seconds = time.perf_counter() - started
+                stepping += time.perf_counter() - slept
+            asked = time.perf_counter()
+        ended = time.perf_counter()
+        seconds = ended - started
         after = snapshot()
-        wait = sum(waits)
+        wait = sum(waits) + (ended - asked)
         report(EpochResult(
             epoch=epoch, paced=paced, samples=samples, bytes_read=bytes_read, seconds=seconds,
             wait_seconds=wait, samples_per_second=samples / seconds if seconds else 0.0,
@@ -178,6 +187,7 @@ def run_loop(config: LoopConfig, snapshot: Callable[[], Snapshot],
             wait_p99_ms=1000 * _percentile(waits, 0.99),
             wait_max_ms=1000 * max(waits, default=0.0),
             late_batches=sum(w > step for w in waits) if paced else 0,
+            step_seconds=stepping,
             counters=delta(before, after)))
 
 

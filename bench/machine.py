@@ -50,5 +50,6 @@ def describe() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "rclone": _version(["rclone", "version"]),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }

@@ -17,13 +17,16 @@ def draw(results: dict, path: Path) -> bool:
         return False
     settings = results["settings"]
     fig, (speed, stall) = plt.subplots(1, 2, figsize=(13, 5.5))
-    for v in measured:
+    colors = plt.get_cmap("tab20").colors  # more variants than the default cycle has colors
+    for i, v in enumerate(measured):
         epochs = [e["epoch"] for e in v["epochs"]]
+        # Dashed: cachefs without hints; solid: everything else.
         style = "-" if v["hints"] or v["kind"] != "cachefs" else "--"
-        line, = speed.plot(epochs, [e["samples_per_second"] for e in v["epochs"]], style,
-                           marker="o", label=v["variant"])
+        color = colors[(2 * i) % len(colors) + (2 * i) // len(colors)]
+        speed.plot(epochs, [e["samples_per_second"] for e in v["epochs"]], style, marker="o",
+                   color=color, label=v["variant"])
         stall.plot(epochs, [100 * e["stall_fraction"] for e in v["epochs"]], style, marker="o",
-                   color=line.get_color(), label=v["variant"])
+                   color=color, label=v["variant"])
     speed.axhline(settings["pace"], color="grey", linestyle=":", label="pace")
     speed.set(xlabel="epoch", ylabel="samples/s", title="Training throughput", yscale="log")
     stall.axhline(5, color="grey", linestyle=":", label="5 % stall")

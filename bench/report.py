@@ -1,8 +1,14 @@
-"""Writing a run's results: latest.json (raw), latest.md (tables and verdicts), latest.png."""
+"""Writing a run's results: latest.json (raw), latest.md (tables and verdicts), latest.png.
+
+Redraw the Markdown and the plot from a run's JSON (verdicts recomputed)::
+
+    python3 -m bench.report bench/results/latest.json
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from bench import plot, targets
@@ -30,6 +36,25 @@ def epoch_rows(results: dict) -> list[dict]:
             rows.append({"variant": v["variant"], "error": None, **e,
                          **targets.epoch_figures(v, e, total)})
     return rows
+
+
+STEP_OVERSHOOT_NOTED = 0.05
+
+
+def _load(values: list[float] | None) -> str:
+    return "unknown" if not values else ", ".join(f"{x:.1f}" for x in values)
+
+
+def _step_overshoot(results: dict, step_ms: float) -> float:
+    """How much longer than asked the simulated step took, at worst over paced epochs."""
+    worst = 0.0
+    for v in results["variants"]:
+        for e in v["epochs"]:
+            batches = -(-e["samples"] // results["settings"]["batch"])
+            asked = batches * step_ms / 1000
+            if e["paced"] and asked > 0 and "step_seconds" in e:
+                worst = max(worst, e["step_seconds"] / asked - 1)
+    return worst
 
 
 def _epoch_label(row: dict) -> str:
@@ -64,7 +89,14 @@ def markdown(results: dict, png_name: str | None) -> str:
     out = ["# cachefs benchmark", ""]
     out += [f"Run of {m['date']} on {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, "
             f"Linux {m['kernel']} (Python {m['python']}, torch {m['torch']}, {m['rclone']}); "
-            f"{results['seconds']:.0f} s in all.", ""]
+            f"{results['seconds']:.0f} s in all. Load average (1, 5, 15 min) "
+            f"{_load(m.get('load_average'))} at the start, "
+            f"{_load(m.get('load_average_after'))} at the end.", ""]
+    overshoot = _step_overshoot(results, s["step_ms"])
+    if overshoot > STEP_OVERSHOOT_NOTED:
+        out += [f"> The simulated GPU step took up to {overshoot:.0%} longer than asked "
+                "(sleep on a busy machine): paced samples/s are that much lower than the loader "
+                "alone would allow.", ""]
     out += [f"Dataset `{d['name']}`: {d['examples']:,} examples in {d['files']:,} files, "
             f"{d['bytes'] / MIB:.0f} MiB, behind an emulated `{s['profile']}` remote "
             "(bench/slowfs.py). "
@@ -145,6 +177,7 @@ def markdown(results: dict, png_name: str | None) -> str:
 
 
 def write(results: dict, out_dir: Path, stem: str = "latest") -> list[Path]:
+    """Write the JSON, the plot and the Markdown; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
@@ -153,3 +186,24 @@ def write(results: dict, out_dir: Path, stem: str = "latest") -> list[Path]:
     md_path = out_dir / f"{stem}.md"
     md_path.write_text(markdown(results, png_path.name if drawn else None))
     return [md_path, json_path] + ([png_path] if drawn else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].endswith(".json"):
+        print("usage: python3 -m bench.report RESULTS.json", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"bench.report: cannot read {path}: {exc}", file=sys.stderr)
+        return 1
+    results["verdicts"] = targets.evaluate(results)
+    for written in write(results, path.parent, path.stem):
+        print(f"wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,6 @@ the second on (the first fills the cache).
 from __future__ import annotations
 
 from bench.counters import cachefs_opens
-from bench.settings import RunSettings
 from bench.variants import CACHEFS, LOCAL, PEER_FRACTION
 
 HIT_RATIO_TOLERANCE = 0.01
@@ -130,9 +129,9 @@ def _speedup_verdicts(results: dict) -> list[dict]:
     return out
 
 
-def _pace_verdicts(results: dict, settings: RunSettings) -> list[dict]:
-    step = settings.step_ms
-    target = (f"pace {settings.pace:.0f} samples/s: p99 batch wait <= {step:.1f} ms and "
+def _pace_verdicts(results: dict) -> list[dict]:
+    step, pace = results["settings"]["step_ms"], results["settings"]["pace"]
+    target = (f"pace {pace:.0f} samples/s: p99 batch wait <= {step:.1f} ms and "
               f"stall <= {MAX_STALL:.0%}")
     out = []
     for v in results["variants"]:
@@ -165,9 +164,10 @@ def _files_per_second_verdict(results: dict) -> list[dict]:
                      f"{rate:,} files/s (local copy {fps['local']['cold']:,})", "cachefs-f1")]
 
 
-def evaluate(results: dict, settings: RunSettings) -> list[dict]:
+def evaluate(results: dict) -> list[dict]:
+    """Every verdict, from the raw results alone (so a report can be redrawn from the JSON)."""
     return (_cache_verdicts(results) + _speedup_verdicts(results)
-            + _pace_verdicts(results, settings) + _files_per_second_verdict(results))
+            + _pace_verdicts(results) + _files_per_second_verdict(results))
 
 
 def machine_reaches_pace(results: dict, step_ms: float) -> bool | None:
