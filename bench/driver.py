@@ -48,6 +48,7 @@ class LoopConfig:
     hints: bool = False
     seed: int = 0
     drop_caches: bool = True
+    persistent_workers: bool = True
     # How DataLoader workers start. A child made with "spawn" inherits "spawn" as its default,
     # and spawned workers each import torch again (seconds per worker on a small machine):
     # the parent passes the platform's own default, which a training script would get.
@@ -69,6 +70,7 @@ class EpochResult:
     wait_max_ms: float
     late_batches: int  # batches that waited longer than one step
     step_seconds: float  # time in the simulated GPU step (more than asked on a busy machine)
+    waits_ms: list[float] = field(default_factory=list)  # every batch's wait, in order
     counters: Snapshot = field(default_factory=dict)
 
 
@@ -130,10 +132,12 @@ def _loader(config: LoopConfig):
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     dataset = ExampleDataset(config.root, config.examples, config.whole_files)
     generator = torch.Generator().manual_seed(config.seed)
-    # The same arguments with and without hints, so both variants see the same batches;
-    # otherwise torch's defaults (workers are started anew every epoch).
+    # The same arguments with and without hints, so both variants see the same batches.
+    # Persistent workers, as a tuned training script has them: otherwise every epoch of a
+    # small dataset starts with seconds of forking workers, which is no data loading.
     kwargs = dict(batch_size=config.batch_size, shuffle=True, num_workers=config.num_workers,
-                  generator=generator, drop_last=False)
+                  generator=generator, drop_last=False,
+                  persistent_workers=config.persistent_workers and config.num_workers > 0)
     if config.num_workers > 0:
         kwargs["multiprocessing_context"] = config.worker_start_method
     if config.hints:
@@ -188,6 +192,7 @@ def run_loop(config: LoopConfig, snapshot: Callable[[], Snapshot],
             wait_max_ms=1000 * max(waits, default=0.0),
             late_batches=sum(w > step for w in waits) if paced else 0,
             step_seconds=stepping,
+            waits_ms=[round(1000 * w, 3) for w in waits],
             counters=delta(before, after)))
 
 
@@ -201,8 +206,13 @@ def _child(config: LoopConfig, conn) -> None:
     try:
         run_loop(config, snapshot, lambda result: conn.send(("epoch", asdict(result))))
         conn.send(("done",))
+    except (KeyboardInterrupt, BrokenPipeError, EOFError):
+        pass  # the parent is stopping the run (Ctrl-C, SIGTERM) and cleans up
     except BaseException as exc:  # reported to the parent, which decides what to do
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
     finally:
         conn.close()
 

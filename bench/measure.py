@@ -21,11 +21,10 @@ from bench.settings import RunSettings
 from bench.variants import CACHEFS, DIRECT, LOCAL, RCLONE, Variant
 
 BLOCK_BYTES = 4096
-# The cache budget covers the kept files with room to spare: which files are kept is a hash
-# draw, so the kept share of bytes is F only on average; and the budget also counts the index
-# and directories. Without the slack the cache would fill up before every kept file is in.
-BUDGET_SLACK = 0.10
-BUDGET_OVERHEAD_BYTES = 16 * 2**20
+# The budget is what the kept files occupy, with room for the index, its headroom and the
+# fan-out directories (a few MiB for thousands of files), and a little slack.
+BUDGET_SLACK = 0.02
+BUDGET_OVERHEAD_BYTES = 8 * 2**20
 
 
 def allocated_bytes(sizes: list[int]) -> int:
@@ -34,9 +33,17 @@ def allocated_bytes(sizes: list[int]) -> int:
 
 
 def cache_budget(fraction: float, dataset: Dataset) -> int:
-    """The --cache-size for a fraction: the kept share of the data, plus slack and overhead."""
-    data = allocated_bytes(list(dataset.file_sizes().values()))
-    return int(fraction * data * (1 + BUDGET_SLACK)) + BUDGET_OVERHEAD_BYTES
+    """The --cache-size for a fraction: the files cachefs keeps at it, plus index overhead.
+
+    Which files are kept is decided by cachefs's own rule (a hash of the path, seed 0), so the
+    kept share of the bytes is F only on average; sizing by the kept files themselves gives
+    the cache exactly what it needs, as an operator sizing a cache for F would.
+    """
+    from cachefs.admission import FractionAdmission
+
+    admission = FractionAdmission(fraction)
+    kept = [size for path, size in dataset.file_sizes().items() if admission.eligible(path)]
+    return int(allocated_bytes(kept) * (1 + BUDGET_SLACK)) + BUDGET_OVERHEAD_BYTES
 
 
 def remote_path(remote: EmulatedRemote, dataset: Dataset) -> Path:

@@ -137,7 +137,8 @@ class RcloneMount:
         config = self.cache_dir / "rclone.conf"
         return ["rclone", "mount", "--config", str(config), f"bench:{self.backing}",
                 str(self.path), "--read-only", "--vfs-cache-mode", "full",
-                "--vfs-cache-max-size", str(self.cache_size_bytes),
+                # A bare number would be KiB to rclone: say bytes.
+                "--vfs-cache-max-size", f"{self.cache_size_bytes}B",
                 "--vfs-cache-poll-interval", RCLONE_CACHE_POLL,
                 "--cache-dir", str(self.cache_dir / "vfs"), "--log-file", str(self.log_file),
                 "--log-level", "NOTICE"]

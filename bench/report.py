@@ -107,6 +107,12 @@ def markdown(results: dict, png_name: str | None) -> str:
                if s["unpaced_epochs"] else "")
             + "; page cache dropped before every epoch. Each variant ran in a process of its "
             "own, on a fresh cache.", ""]
+    budgets = [f"`{v['variant']}` {v['cache_size_bytes'] / MIB:.0f} MiB"
+               for v in results["variants"] if v.get("cache_size_bytes") and not v["hints"]]
+    if budgets:
+        out += ["Cache budgets (what the files cachefs keeps occupy, plus 2 % and 8 MiB for the "
+                "index; rclone gets the budget of cachefs at f = 0.2): "
+                + ", ".join(budgets) + ".", ""]
     out += ["Settings: `" + json.dumps({k: v for k, v in s.items()
                                          if k not in ("out_dir", "work_dir")}) + "`", ""]
 
