@@ -92,6 +92,11 @@ def markdown(results: dict, png_name: str | None) -> str:
             f"{results['seconds']:.0f} s in all. Load average (1, 5, 15 min) "
             f"{_load(m.get('load_average'))} at the start, "
             f"{_load(m.get('load_average_after'))} at the end.", ""]
+    src = results.get("source")
+    if src:
+        out += [f"Measured code: commit {src['commit']}"
+                + (f" with {src['uncommitted_files']} uncommitted file(s) in cachefs/ and client/"
+                   if src["uncommitted_files"] else "") + ".", ""]
     overshoot = _step_overshoot(results, s["step_ms"])
     if overshoot > STEP_OVERSHOOT_NOTED:
         out += [f"> The simulated GPU step took up to {overshoot:.0%} longer than asked "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +56,29 @@ def _clear_leftovers(runs_dir: Path) -> None:
         shutil.rmtree(entry, ignore_errors=True)
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _measure_this_tree() -> dict:
+    """Import cachefs and cachefs_client from this tree, whatever copies pip points to, in this
+    process and in the loops' children (spawned children inherit sys.path); say which."""
+    for path in (REPO, REPO / "client"):
+        if str(path) in sys.path:
+            sys.path.remove(str(path))
+        sys.path.insert(0, str(path))
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    changed = git("status", "--porcelain", "--", "cachefs", "client").splitlines()
+    return {"tree": str(REPO), "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+            "uncommitted_files": len(changed)}
+
+
 def _eligible_shares(data: dataset_mod.Dataset, fractions: tuple[float, ...]) -> dict:
     """Share of the files cachefs keeps at each fraction (seed 0), by its own admission rule:
     the hit ratio a perfect run shows, which differs from F by the luck of the hash draw."""
@@ -83,7 +107,9 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
     data = dataset_mod.ensure(datasets_dir, settings.dataset_spec(), log)
     fps_data = (dataset_mod.ensure(datasets_dir, settings.fps_spec(), log)
                 if settings.fps_files else None)
+    source = _measure_this_tree()
     results: dict = {"settings": settings.public(), "machine": machine.describe(),
+                     "source": source,
                      "dataset": {"name": data.spec.name(), "examples": len(data.examples),
                                  "files": len(data.files), "bytes": data.total_bytes},
                      "variants": [], "files_per_second": None}
