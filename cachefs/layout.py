@@ -145,10 +145,13 @@ class CacheLayout:
             os.close(fd)
         directory = os.path.dirname(final)
         try:
-            os.replace(tmp, final)
-        except FileNotFoundError:
-            os.mkdir(directory, 0o700)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except FileNotFoundError:
+                # The first chunk of this fan-out directory; another thread may be
+                # creating it at the same moment.
+                os.makedirs(directory, 0o700, exist_ok=True)
+                os.replace(tmp, final)
         except BaseException:
             _unlink_quietly(tmp)
             raise

@@ -142,3 +142,18 @@ def test_metrics_and_status_report_what_happened(source, remote, mount_cachefs):
     assert status["cache_files"] == 100
     assert status["remote_read_bytes"] == 100 * 1000
     assert status["cache_capacity_bytes"] == 64 * 2**20
+
+
+def test_concurrent_first_reads_all_get_cached(source, mount_cachefs):
+    """Many readers filling the cache at once (new fan-out directories appear under
+    all of them) store every file and never trip over each other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rels = make_files(source, 800, size=1000)
+    mount = mount_cachefs(source, cache_size="64MiB")
+    with ThreadPoolExecutor(16) as pool:
+        contents = list(pool.map(lambda rel: (mount.path / rel).read_bytes(), rels))
+    assert contents == [(source / rel).read_bytes() for rel in rels]
+    assert mount.metric("cachefs_cache_write_errors_total") == 0
+    assert mount.metric("cachefs_cache_admitting") == 1
+    assert mount.metric("cachefs_cache_files") == len(rels)

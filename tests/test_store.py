@@ -251,3 +251,39 @@ def test_random_stress_of_store_against_a_model(open_store):
     assert store.check(fix=False, verify_data=True).problems == 0
     for name, data in model.items():
         assert read_file(store, name) == data
+
+
+def test_chunks_written_at_once_into_a_new_directory_all_land(tmp_path):
+    """Writers racing to create the same fan-out directory all succeed."""
+    import threading
+
+    from cachefs.layout import CacheLayout
+
+    layout = CacheLayout(tmp_path / "cache", CHUNK_BYTES)
+    layout.prepare()
+    by_dir: dict[str, list[bytes]] = {}
+    for n in range(20_000):
+        key = f"k{n}".encode()
+        by_dir.setdefault(layout.chunk_name(key)[:2], []).append(key)
+    groups = [keys[:8] for keys in by_dir.values() if len(keys) >= 8][:40]
+    failures = []
+
+    def write(key: bytes, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        try:
+            layout.write_chunk(key, key)
+        except OSError as exc:
+            failures.append(exc)
+
+    for keys in groups:
+        barrier = threading.Barrier(len(keys))
+        threads = [threading.Thread(target=write, args=(k, barrier)) for k in keys]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert failures == []
+    for keys in groups:
+        for key in keys:
+            with open(layout.chunk_path(key), "rb") as f:
+                assert f.read() == key
