@@ -185,6 +185,7 @@ def test_hints_and_warm_never_reach_outside_backing(tmp_path, source, remote, mo
     os.symlink("/etc", source / "link_to_etc")
     os.symlink("link_loop", source / "link_loop")
     os.symlink("inside.bin", source / "link_inside")
+    (source / "new\nline.bin").write_bytes(b"a name no request line can carry\n")
     mount = mount_cachefs(remote.path, fraction=1.0)
     sock = control_socket_path(mount.path)
     mnt = os.fsencode(mount.path)
@@ -194,10 +195,13 @@ def test_hints_and_warm_never_reach_outside_backing(tmp_path, source, remote, mo
         mnt + b"/../outside-secret.bin", mnt + b"x/inside.bin", b"link_absolute",
         b"link_relative_out", b"sub/link_relative_out", b"link_to_etc/passwd", b"link_loop",
         b"inside.bin\0/etc/passwd", b"", b".", b"..", b"/", b"sub", b"x" * 5000,
+        b"new\nline.bin",  # two lines on the wire: "HINT new" and "line.bin"
     ]
+    split = sum(path.count(b"\n") for path in bad)  # extra lines, unknown commands
+    invalid = len(bad) + split
     stats_before, hints_before = remote.stats(), hint_results(mount)
     send_lines(sock, [b"HINT " + path for path in bad])
-    wait_for(lambda: hint_results(mount)["invalid"] - hints_before["invalid"] >= len(bad),
+    wait_for(lambda: hint_results(mount)["invalid"] - hints_before["invalid"] >= invalid,
              what="every bad hint counted invalid")
     # FETCH (what `cachefs warm` sends) with the same paths, and warm itself.
     for path in bad:
@@ -221,7 +225,7 @@ def test_hints_and_warm_never_reach_outside_backing(tmp_path, source, remote, mo
     assert mount.metric("cachefs_remote_read_bytes_total") == 0
     assert mount.metric("cachefs_cache_files") == 0
     hints = hint_results(mount)
-    assert hints["invalid"] - hints_before["invalid"] == len(bad)
+    assert hints["invalid"] - hints_before["invalid"] == invalid + split  # + FETCH's split
     assert hints["accepted"] == hints_before["accepted"]
 
     # The channel works for what is inside: a symlink staying in the tree is followed.
