@@ -14,6 +14,7 @@ Chunk files on disk are named after :func:`data_key`, which adds the version.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -26,6 +27,8 @@ from cachefs.attr import Attr, Version
 _FILE = struct.Struct("<qqIIIQqqIQ")
 # checksum, length
 _CHUNK = struct.Struct("<QI")
+# Records kept in memory: about 200 bytes each, so some 50 MiB at most.
+MEMO_ENTRIES = 2**18
 
 INDEX_SETTINGS = {
     "eviction_policy": "none",  # we never evict to make room; see admission.py
@@ -77,17 +80,57 @@ def split_key(key: bytes) -> tuple[bytes, int | None]:
 
 
 class CacheIndex:
-    """Record storage.  Thread safety: diskcache gives each thread its own connection;
-    read-modify-write sequences are the caller's to serialise (the store's lock)."""
+    """Record storage, with the packed records of recently used keys kept in memory.
+
+    Opening a cached file must not cost a database query: libfuse's worker threads
+    come and go, and each new thread would open its own SQLite connection first.  So
+    records read or written are remembered (up to MEMO_ENTRIES, oldest forgotten
+    first) and the database is asked only for the others.
+
+    Thread safety: diskcache gives each thread its own connection; read-modify-write
+    sequences are the caller's to serialise (the store's lock).  ``_memo_lock`` and
+    the ``_writes`` counter keep a slow reader from remembering a record that a
+    writer replaced while the reader was in the database.
+    """
 
     def __init__(self, directory: Path) -> None:
         self._cache = diskcache.Cache(str(directory), **INDEX_SETTINGS)
+        self._memo: dict[bytes, bytes] = {}
+        self._memo_lock = threading.Lock()
+        self._writes = 0
 
     def close(self) -> None:
         self._cache.close()
 
-    def get_file(self, key: bytes) -> FileRecord | None:
+    def _get(self, key: bytes) -> bytes | None:
+        raw = self._memo.get(key)
+        if raw is not None:
+            return raw
+        with self._memo_lock:
+            writes = self._writes
         raw = self._cache.get(key)
+        if raw is not None:
+            with self._memo_lock:
+                if self._writes == writes:
+                    self._remember_locked(key, raw)
+        return raw
+
+    def _set(self, key: bytes, raw: bytes) -> None:
+        with self._memo_lock:
+            self._writes += 1
+            self._memo.pop(key, None)
+        self._cache.set(key, raw)
+        with self._memo_lock:
+            self._remember_locked(key, raw)
+            self._writes += 1
+
+    def _remember_locked(self, key: bytes, raw: bytes) -> None:
+        if len(self._memo) >= MEMO_ENTRIES:
+            del self._memo[next(iter(self._memo))]
+        self._memo[key] = raw
+
+    def get_file(self, key: bytes) -> FileRecord | None:
+        raw = self._get(key)
         if raw is None:
             return None
         f = _FILE.unpack(raw)
@@ -95,7 +138,7 @@ class CacheIndex:
 
     def put_file(self, key: bytes, record: FileRecord) -> None:
         a = record.attr
-        self._cache.set(
+        self._set(
             key,
             _FILE.pack(
                 a.size, a.mtime_ns, a.mode, a.uid, a.gid, a.nlink, a.atime_ns, a.ctime_ns,
@@ -104,14 +147,20 @@ class CacheIndex:
         )
 
     def get_chunk(self, key: bytes) -> ChunkRecord | None:
-        raw = self._cache.get(key)
+        raw = self._get(key)
         return None if raw is None else ChunkRecord(*_CHUNK.unpack(raw))
 
     def put_chunk(self, key: bytes, record: ChunkRecord) -> None:
-        self._cache.set(key, _CHUNK.pack(record.checksum, record.length))
+        self._set(key, _CHUNK.pack(record.checksum, record.length))
 
     def delete(self, key: bytes) -> None:
+        with self._memo_lock:
+            self._writes += 1
+            self._memo.pop(key, None)
         self._cache.delete(key)
+        with self._memo_lock:
+            self._memo.pop(key, None)
+            self._writes += 1
 
     def all_keys(self) -> Iterator[bytes]:
         """Every key, file and chunk records alike (a snapshot; safe to delete while iterating)."""
