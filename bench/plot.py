@@ -25,20 +25,25 @@ def draw(results: dict, path: Path) -> bool:
         color = colors[(2 * i) % len(colors) + (2 * i) // len(colors)]
         speed.plot(epochs, [e["samples_per_second"] for e in v["epochs"]], style, marker="o",
                    color=color, label=v["variant"])
-        stall.plot(epochs, [100 * e["stall_fraction"] for e in v["epochs"]], style, marker="o",
-                   color=color, label=v["variant"])
+        # Without the step, a loop does nothing but wait: stall is shown for paced epochs only.
+        paced = [e for e in v["epochs"] if e["paced"]]
+        stall.plot([e["epoch"] for e in paced], [100 * e["stall_fraction"] for e in paced], style,
+                   marker="o", color=color, label=v["variant"])
     speed.axhline(settings["pace"], color="grey", linestyle=":", label="pace")
     speed.set(xlabel="epoch", ylabel="samples/s", title="Training throughput", yscale="log")
     stall.axhline(5, color="grey", linestyle=":", label="5 % stall")
     stall.set(xlabel="epoch", ylabel="% of the epoch blocked on data", title="Data stall",
               ylim=(0, 100))
     if settings["unpaced_epochs"]:
-        for axis in (speed, stall):
+        for axis in (speed,):
             axis.axvspan(settings["epochs"] + 0.5, settings["epochs"] + settings["unpaced_epochs"]
                          + 0.5, color="grey", alpha=0.12, label="unpaced")
+    speed.set_xticks(range(1, settings["epochs"] + settings["unpaced_epochs"] + 1))
+    stall.set_xticks(range(1, settings["epochs"] + 1))
     for axis in (speed, stall):
-        axis.set_xticks(range(1, settings["epochs"] + settings["unpaced_epochs"] + 1))
         axis.grid(alpha=0.3)
+    if settings["unpaced_epochs"]:
+        speed.legend(handles=speed.patches[:1], fontsize=8, loc="upper left")
     stall.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     machine = results["machine"]
     fig.suptitle(f"{results['dataset']['name']}, {settings['profile']} remote, batch "

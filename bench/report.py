@@ -92,6 +92,12 @@ def markdown(results: dict, png_name: str | None) -> str:
             f"{results['seconds']:.0f} s in all. Load average (1, 5, 15 min) "
             f"{_load(m.get('load_average'))} at the start, "
             f"{_load(m.get('load_average_after'))} at the end.", ""]
+    busiest = max((m.get("load_average") or [0])[:1] + (m.get("load_average_after") or [0])[:1])
+    if busiest > m["cores"]:
+        out += [f"> **The machine was busy with other work** (load average up to {busiest:.0f} on "
+                f"{m['cores']} cores): every variant got a fraction of the CPU, the FUSE daemons "
+                "(Python) most of all, so the figures are lower and noisier than on an idle "
+                "machine. Compare variants within this run only.", ""]
     src = results.get("source")
     if src:
         out += [f"Measured code: commit {src['commit']}"
@@ -159,6 +165,21 @@ def markdown(results: dict, png_name: str | None) -> str:
             f"| {row['variant']} | {_epoch_label(row)} | {row['samples_per_second']:.0f} | "
             f"{row['stall_fraction']:.1%} | {row['wait_p50_ms']:.1f} | {row['wait_p99_ms']:.1f} "
             f"| {_ratio(row['hit_ratio'])} | {remote} | {_mib(row['floor_bytes'])} |")
+    hinted = [r for r in epoch_rows(results) if not r["error"] and r["variant"].endswith("-hints")]
+    if hinted:
+        out += ["", "Prefetch outcome of the hinted variants (cachefs counters per epoch; "
+                "`wasted`: fetched but never served to a reader, so those bytes crossed the "
+                "network for nothing).", "",
+                "| variant | epoch | hints accepted | hints dropped | prefetched, used | "
+                "prefetched, wasted | failed |", "|---|---|---|---|---|---|---|"]
+        for row in hinted:
+            c = row["counters"]
+            out.append(f"| {row['variant']} | {_epoch_label(row)} | "
+                       f"{c.get('cachefs_hints_accepted', 0):.0f} | "
+                       f"{c.get('cachefs_hints_dropped', 0):.0f} | "
+                       f"{c.get('cachefs_prefetch_used', 0):.0f} | "
+                       f"{c.get('cachefs_prefetch_wasted', 0):.0f} | "
+                       f"{c.get('cachefs_prefetch_failed', 0):.0f} |")
     failed = [v for v in results["variants"] if v["error"]]
     if failed:
         out += ["", "Failures:", ""]
