@@ -31,7 +31,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 8192
-MAX_CONNECTIONS = 512
+MAX_CONNECTIONS = 1024
+# One local user cannot hold every connection and lock the others (and status) out.
+# A node of 8 training processes with 8 workers each holds 2 x 72 connections.
+MAX_CONNECTIONS_PER_USER = 256
 SEND_TIMEOUT_SECONDS = 5.0
 
 
@@ -59,7 +62,7 @@ class ControlServer:
     """Accepts connections on a Unix socket and dispatches request lines.
 
     Thread safety: one thread accepts; each connection has its own thread;
-    ``_lock`` guards ``_connections``.  Handlers are called concurrently.
+    ``_lock`` guards ``_connections`` and ``_per_user``.  Handlers are called concurrently.
     """
 
     def __init__(self, path: Path, handlers: dict[bytes, Handler],
@@ -69,6 +72,7 @@ class ControlServer:
         self._on_invalid = on_invalid
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
+        self._per_user: dict[int, int] = {}  # uid -> connections held
         self._closed = False
         self.rejected_connections = 0
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -112,21 +116,27 @@ class ControlServer:
                 if self._closed:
                     return
                 continue
+            try:
+                peer = _peer_of(conn)
+            except OSError:
+                conn.close()
+                continue
             with self._lock:
-                full = len(self._connections) >= MAX_CONNECTIONS
+                mine = self._per_user.get(peer.uid, 0)
+                full = len(self._connections) >= MAX_CONNECTIONS \
+                    or (peer.uid != 0 and mine >= MAX_CONNECTIONS_PER_USER)
                 if not full:
                     self._connections.add(conn)
+                    self._per_user[peer.uid] = mine + 1
             if full:
                 self.rejected_connections += 1
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="control-conn",
+            threading.Thread(target=self._serve, args=(conn, peer), name="control-conn",
                              daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: Peer) -> None:
         try:
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            peer = Peer(*struct.unpack("3i", creds))
             conn.settimeout(None)
             listening = True
             for line in _lines(conn, self._on_invalid):
@@ -146,6 +156,11 @@ class ControlServer:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                left = self._per_user[peer.uid] - 1
+                if left:
+                    self._per_user[peer.uid] = left
+                else:
+                    del self._per_user[peer.uid]
             conn.close()
 
     def _dispatch(self, peer: Peer, line: bytes) -> Reply | None:
@@ -155,6 +170,11 @@ class ControlServer:
             self._on_invalid()
             return Reply({"ok": False, "error": "unknown command"})
         return handler(peer, argument)
+
+
+def _peer_of(conn: socket.socket) -> Peer:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return Peer(*struct.unpack("3i", creds))
 
 
 def _lines(conn: socket.socket, on_overlong: Callable[[], None]):

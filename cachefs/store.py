@@ -203,8 +203,8 @@ class CacheStore:
     def read_chunk(self, key: bytes, record: FileRecord, number: int) -> bytes | None:
         """Chunk ``number`` from the SSD, checksum verified; None when it is not stored.
 
-        Raises CacheCorrupt (after dropping the file's chunks) when the bytes on
-        disk are not the ones stored: the caller refetches from the remote.
+        Raises CacheCorrupt (after dropping that chunk) when the bytes on disk are
+        not the ones stored: the caller refetches it from the remote.
         """
         chunk = self.chunk_record(key, record, number)
         if chunk is None:
@@ -215,7 +215,7 @@ class CacheStore:
             log.warning("cached chunk %d of %s dropped: %s; refetching from the remote",
                         number, os.fsdecode(key), exc)
             self._on_integrity_failure()
-            self.drop(key)
+            self._drop_chunk(key, record, number)
             raise
 
     def _load(self, dkey: bytes, chunk: ChunkRecord) -> bytes:
@@ -259,7 +259,10 @@ class CacheStore:
                 return False
             self._reserved_bytes += need
         try:
-            return self._write_chunk(key, attr, number, data)
+            stored = self._write_chunk(key, attr, number, data)
+            if self._write_error is not None:
+                self.clear_write_error()  # the pause is over and the disk took a write
+            return stored
         except (OSError, sqlite3.Error) as exc:  # the index lives on the same disk
             self._pause_admission(exc)
             return False
@@ -310,9 +313,10 @@ class CacheStore:
                       "remote (retrying in %.0f s)", message, ADMISSION_RETRY_SECONDS)
 
     def clear_write_error(self) -> None:
-        if self._write_error is not None:
+        with self._lock:
+            was, self._write_error = self._write_error, None
+        if was is not None:
             log.info("cache disk accepts writes again: admission resumed")
-        self._write_error = None
 
     def drop(self, key: bytes) -> None:
         """Forget every chunk of the file at ``key`` (it changed, or a chunk is bad).
@@ -326,6 +330,30 @@ class CacheStore:
                 if record is not None:
                     self._drop_locked(key, record)
                     self._index_bytes = self.layout.index_bytes()
+        except (OSError, sqlite3.Error) as exc:
+            self._pause_admission(exc)
+
+    def _drop_chunk(self, key: bytes, record: FileRecord, number: int) -> None:
+        """Forget one bad chunk; the rest of a large file stays cached."""
+        if chunk_count(record.attr.size) == 1:
+            self.drop(key)
+            return
+        try:
+            with self._lock:
+                current = self.index.get_file(key)
+                ckey = chunk_key(key, number)
+                if current is None or current.version != record.version \
+                        or self.index.get_chunk(ckey) is None:
+                    return  # dropped or replaced meanwhile
+                if self.is_complete(current):
+                    self._complete_files -= 1
+                self._data_bytes -= self._remove_file_locked(data_key(key, number,
+                                                                      current.version))
+                self.index.delete(ckey)
+                self.index.put_file(key, current._replace(
+                    stored_chunks=current.stored_chunks - 1))
+                self._index_bytes = self.layout.index_bytes()
+                self._full = False
         except (OSError, sqlite3.Error) as exc:
             self._pause_admission(exc)
 

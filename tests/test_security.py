@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.control import MAX_CONNECTIONS, MAX_LINE_BYTES
+from cachefs.control import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_USER, MAX_LINE_BYTES
 from cachefs.prefetch import MAX_QUEUED_HINTS
 from tests.conftest import (
     CachefsMount,
@@ -439,3 +439,49 @@ def test_flood_of_hints_and_junk_is_shrugged_off(source, remote, mount_cachefs):
     # Memory: the hint queue is bounded, long lines are skipped, never buffered.
     assert after["VmHWM"] - before["VmRSS"] < 200 * 2**20
     assert hints["invalid"] >= 3  # at least the long lines were counted
+
+
+# Runs as an unprivileged user: holds as many control connections as it can get, PINGs on
+# each, prints how many were answered, and keeps them until its stdin closes.
+HOARDER = """
+import socket, sys, time
+held, answered = [], 0
+while len(held) < int(sys.argv[2]):
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)
+    try:
+        conn.connect(sys.argv[1])
+    except BlockingIOError:  # the listen backlog is full: let the daemon catch up
+        conn.close()
+        time.sleep(0.01)
+        continue
+    held.append(conn)
+for conn in held:
+    try:
+        conn.sendall(b"PING\\n")
+        answered += bool(conn.makefile("rb").readline())
+    except OSError:
+        pass
+print(answered, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_one_user_cannot_lock_the_others_out(source, mount_cachefs):
+    """A local user hoarding control connections gets its share, and no more: hints and
+    status from everyone else still get through."""
+    make_files(source, 2, size=100)
+    mount = mount_cachefs(source, cache_size="64MiB")
+    sock = control_socket_path(mount.path)
+    hoarder = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+         sys.executable, "-c", HOARDER, sock, str(MAX_CONNECTIONS_PER_USER + 40)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        answered = int(hoarder.stdout.readline())
+        assert answered == MAX_CONNECTIONS_PER_USER
+        assert _ping(sock) is not None      # root still gets in
+        assert mount.status()["pid"] == mount.pid
+    finally:
+        hoarder.stdin.close()
+        hoarder.wait(30)
