@@ -214,7 +214,8 @@ def _open_checked(path: str, expected: Version) -> int:
 def _read_range(path: str, offset: int, length: int, expected: Version) -> bytes:
     fd = _open_checked(path, expected)
     try:
-        return _pread_full(fd, length, offset)
+        # Checked after the read too: a rewrite in place during it could mix versions.
+        return _pread_checked(fd, length, offset, expected)
     finally:
         os.close(fd)
 
