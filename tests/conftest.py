@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -298,3 +299,21 @@ def turn_read_only(mountpoint: Path) -> None:
     Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("1")
     wait_for(lambda: errno_of(lambda: os.mkdir(mountpoint / "probe")) == errno.EROFS,
              timeout=10, what="read-only file system")
+
+
+def read_bounded(path: Path, timeout: float = 20.0) -> bytes | OSError:
+    """Read a file from a helper thread; fail the test if it has not returned within ``timeout``
+    (a read stuck on a hung remote must not hang the test run)."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(path.read_bytes())
+        except OSError as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert result, f"reading {path} did not return within {timeout:g} s"
+    return result[0]

@@ -23,6 +23,7 @@ from tests.conftest import (
     disk_usage,
     errno_of,
     make_files,
+    read_bounded,
     run_cachefs,
     shuffled_read_all,
     turn_read_only,
@@ -32,24 +33,6 @@ from tests.conftest import (
 pytestmark = pytest.mark.timeout(120)
 
 REMOTE_TIMEOUT = 2  # --remote-timeout in these tests, seconds
-
-
-def read_bounded(path: Path, timeout: float = 20.0) -> bytes | OSError:
-    """Read a file from a helper thread; fail the test if it has not returned within ``timeout``
-    (a read stuck on a hung remote must not hang the test run)."""
-    result: list = []
-
-    def run() -> None:
-        try:
-            result.append(path.read_bytes())
-        except OSError as exc:
-            result.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert result, f"reading {path} did not return within {timeout:g} s"
-    return result[0]
 
 
 def chunk_file(mount, rel: str, number: int = 0) -> Path:

@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from cachefs.config import build_settings, read_config_file
 from cachefs.metrics import Metrics
 from cachefs.mounthelper import EXIT_USAGE, build_command
 from cachefs.mountpoint import find_mount, unmount
+from tests.conftest import read_bounded
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "cachefs@.service"
@@ -206,21 +206,10 @@ def test_example_config_is_valid():
 
 def read_with_timeout(path: Path, timeout: float = 20.0) -> bytes:
     """Read a file through a mount from a helper thread, so a hung daemon fails the test."""
-    result: list = []
-
-    def run() -> None:
-        try:
-            result.append(path.read_bytes())
-        except OSError as exc:
-            result.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert result, f"reading {path} hung"
-    if isinstance(result[0], OSError):
-        raise result[0]
-    return result[0]
+    result = read_bounded(path, timeout)
+    if isinstance(result, OSError):
+        raise result
+    return result
 
 
 class NotifySocket:

@@ -182,13 +182,19 @@ def process_state() -> _ProcessState:
     return state
 
 
-def link_for(mount_root: str) -> DaemonLink:
+def per_process(registry: str, mount_root: str, make):
+    """This process's object for ``mount_root`` in ``registry`` (made by ``make`` once)."""
     state = process_state()
     with state.lock:
-        link = state.links.get(mount_root)
-        if link is None:
-            link = state.links[mount_root] = DaemonLink(mount_root)
-        return link
+        objects = getattr(state, registry)
+        found = objects.get(mount_root)
+        if found is None:
+            found = objects[mount_root] = make(mount_root)
+        return found
+
+
+def link_for(mount_root: str) -> DaemonLink:
+    return per_process("links", mount_root, DaemonLink)
 
 
 def send_hints(paths) -> int:

@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 
-from cachefs_client._daemon import CONTROL_NAME, process_state, warn_once
+from cachefs_client._daemon import CONTROL_NAME, per_process, process_state, warn_once
 
 # A reply may wait for a prefetch of the file to land; the mount would wait as long.
 READ_TIMEOUT_SECONDS = 60.0
@@ -93,12 +93,7 @@ class DaemonReader:
 
 
 def reader_for(mount_root: str) -> DaemonReader:
-    state = process_state()
-    with state.lock:
-        reader = state.readers.get(mount_root)
-        if reader is None:
-            reader = state.readers[mount_root] = DaemonReader(mount_root)
-        return reader
+    return per_process("readers", mount_root, DaemonReader)
 
 
 def read_file(path) -> bytes:
