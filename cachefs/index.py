@@ -13,8 +13,11 @@ Chunk files on disk are named after :func:`data_key`, which adds the version.
 
 from __future__ import annotations
 
+import os
+import sqlite3
 import struct
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -87,20 +90,23 @@ class CacheIndex:
     records read or written are remembered (up to MEMO_ENTRIES, oldest forgotten
     first) and the database is asked only for the others.
 
-    Thread safety: diskcache gives each thread its own connection; read-modify-write
-    sequences are the caller's to serialise (the store's lock).  ``_memo_lock`` and
-    the ``_writes`` counter keep a slow reader from remembering a record that a
-    writer replaced while the reader was in the database.
+    Thread safety: one SQLite connection serves every thread, one query at a time
+    (``_db_lock``); read-modify-write sequences are the caller's to serialise (the
+    store's lock).  ``_memo_lock`` and the ``_writes`` counter keep a slow reader
+    from remembering a record that a writer replaced while it was in the database.
     """
 
     def __init__(self, directory: Path) -> None:
         self._cache = diskcache.Cache(str(directory), **INDEX_SETTINGS)
+        _share_one_connection(self._cache)
+        self._db_lock = threading.RLock()
         self._memo: dict[bytes, bytes] = {}
         self._memo_lock = threading.Lock()
         self._writes = 0
 
     def close(self) -> None:
-        self._cache.close()
+        with self._db_lock:
+            self._cache.close()
 
     def _get(self, key: bytes) -> bytes | None:
         raw = self._memo.get(key)
@@ -108,7 +114,8 @@ class CacheIndex:
             return raw
         with self._memo_lock:
             writes = self._writes
-        raw = self._cache.get(key)
+        with self._db_lock:
+            raw = self._cache.get(key)
         if raw is not None:
             with self._memo_lock:
                 if self._writes == writes:
@@ -119,7 +126,8 @@ class CacheIndex:
         with self._memo_lock:
             self._writes += 1
             self._memo.pop(key, None)
-        self._cache.set(key, raw)
+        with self._db_lock:
+            self._cache.set(key, raw)
         with self._memo_lock:
             self._remember_locked(key, raw)
             self._writes += 1
@@ -157,14 +165,41 @@ class CacheIndex:
         with self._memo_lock:
             self._writes += 1
             self._memo.pop(key, None)
-        self._cache.delete(key)
+        with self._db_lock:
+            self._cache.delete(key)
         with self._memo_lock:
             self._memo.pop(key, None)
             self._writes += 1
 
     def all_keys(self) -> Iterator[bytes]:
         """Every key, file and chunk records alike (a snapshot; safe to delete while iterating)."""
-        return iter(list(self._cache.iterkeys()))
+        with self._db_lock:
+            return iter(list(self._cache.iterkeys()))
 
     def __len__(self) -> int:
-        return len(self._cache)
+        with self._db_lock:
+            return len(self._cache)
+
+
+def _share_one_connection(cache: diskcache.Cache) -> None:
+    """Make every thread use one SQLite connection to the index.
+
+    diskcache keeps a connection per thread.  libfuse's worker threads are not
+    Python threads: each callback runs in a thread state made for it and destroyed
+    after it, so per-thread connections were opened for a single query and then
+    lingered, unclosed, until a garbage collection, thousands of them (each with
+    its descriptors and page cache) under load.  One connection, opened here
+    across threads and used under CacheIndex's lock, avoids all of that.
+    """
+    path = os.path.join(cache.directory, diskcache.core.DBNAME)
+    shared = types.SimpleNamespace(pid=os.getpid())
+    shared.con = sqlite3.connect(path, timeout=cache.timeout, isolation_level=None,
+                                 check_same_thread=False)
+    old, cache._local = cache._local, shared
+    old_con = getattr(old, "con", None)
+    if old_con is not None:
+        old_con.close()
+    # The per-connection settings diskcache applies to each new connection.
+    for key, value in shared.con.execute("SELECT key, value FROM Settings").fetchall():
+        if key.startswith("sqlite_"):
+            cache.reset(key, value, update=False)

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cachefs.attr import Attr
+from cachefs.attr import Attr, Version
 from cachefs.attrcache import AttrCache, relpath_key
 from cachefs.errors import CachefsError, NotInTree
 from cachefs.fetcher import Fetcher
@@ -60,6 +60,9 @@ class _Active:
 
     done: threading.Event
     opened: bool = False  # a reader opened the file meanwhile
+    extra_hints: int = 0  # hinted again meanwhile: more reads are coming
+    staged_for: int = 0   # of those, already counted in the staged copy
+    staged_version: Version | None = None
 
 
 @dataclass
@@ -125,8 +128,13 @@ class Prefetcher:
             self._hints["invalid"].inc()
             return
         with self._cond:
-            if relpath in self._queue or relpath in self._active \
-                    or len(self._queue) >= MAX_QUEUED_HINTS or self._closed:
+            active = self._active.get(relpath)
+            if active is not None and not self._closed:
+                # Fetched for an earlier read already: staged for this one as well.
+                active.extra_hints += 1
+                result = "accepted"
+            elif relpath in self._queue or len(self._queue) >= MAX_QUEUED_HINTS \
+                    or self._closed:
                 result = "dropped"
             else:
                 self._queue[relpath] = _Hint(caller, time.monotonic())
@@ -215,6 +223,10 @@ class Prefetcher:
             finally:
                 with self._cond:
                     self._active.pop(relpath, None)
+                    late = active.extra_hints - active.staged_for
+                if active.staged_version is not None:
+                    for _ in range(late):  # hinted again between staging and now
+                        self.staging.add_reader(relpath, active.staged_version)
                 active.done.set()
 
     def _prefetch(self, hinted: str, caller: Caller | None) -> None:
@@ -232,6 +244,9 @@ class Prefetcher:
             self._hints["cached"].inc()
             return
         admit = self.store.admitting and self.store.admission.eligible(relpath)
+        if not admit and self.staging.add_reader(relpath, attr.version):
+            self._hints["accepted"].inc()  # staged for an earlier hint, not read yet
+            return
         if not admit and not self.staging.fits(attr.size):
             self._hints["dropped"].inc()  # too large to hold in memory: read it directly
             return
@@ -271,7 +286,11 @@ class Prefetcher:
             raise CachefsError("no room in the staging area")
         try:
             data = self.remote.read(relpath, 0, attr.size, attr.version)
-            self.staging.put(relpath, attr.version, data, reserved=attr.size)
+            with self._cond:
+                active = self._active[relpath]
+                active.staged_for, active.staged_version = active.extra_hints, attr.version
+            self.staging.put(relpath, attr.version, data, reserved=attr.size,
+                             readers=1 + active.staged_for)
         except BaseException:
             self.staging.release(attr.size)
             raise

@@ -3,8 +3,10 @@
 A hint for a file outside the admitted fraction (or arriving when the cache is
 full) is still worth fetching ahead: the reader then waits for memory instead
 of the remote.  The bytes wait here, within a fixed memory budget, until a
-reader opens the file; that reader takes them and they leave the area.  Bytes
-nobody takes within ``ttl_seconds`` are dropped and counted as wasted.
+reader opens the file; that reader takes them and they leave the area.  A file
+hinted again before it was read (the end of one epoch and the start of the
+next can name the same file) waits for as many readers as hints.  Bytes nobody
+takes within ``ttl_seconds`` are dropped and counted as wasted.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from dataclasses import dataclass
 
 from cachefs.attr import Version
 
+# The reads of one epoch and of the next: more hints for a file not read yet are stale.
+MAX_READERS = 2
+
 
 @dataclass
 class _Staged:
     version: Version
     data: bytes
     staged_at: float
+    readers: int = 1  # reads still expected, one per hint
 
 
 class StagingArea:
@@ -69,23 +75,40 @@ class StagingArea:
             self._used -= size
             self._cond.notify_all()
 
-    def put(self, relpath: str, version: Version, data: bytes, reserved: int) -> None:
-        """Stage ``data`` in the room reserved for it."""
+    def put(self, relpath: str, version: Version, data: bytes, reserved: int,
+            readers: int = 1) -> None:
+        """Stage ``data`` in the room reserved for it, for ``readers`` reads."""
         with self._cond:
             self._used += len(data) - reserved
             old = self._entries.pop(relpath, None)
             if old is not None:
                 self._used -= len(old.data)
                 self._on_wasted(1)
-            self._entries[relpath] = _Staged(version, data, time.monotonic())
+            self._entries[relpath] = _Staged(version, data, time.monotonic(),
+                                             min(readers, MAX_READERS))
             self._cond.notify_all()
 
+    def add_reader(self, relpath: str, version: Version) -> bool:
+        """One more read of a staged file is coming: keep it for that one too (up to
+        MAX_READERS: a hint whose reader came first must not pin it).  False when this
+        version of the file is not staged.  The time to live is not extended."""
+        with self._cond:
+            entry = self._entries.get(relpath)
+            if entry is None or entry.version != version:
+                return False
+            entry.readers = min(entry.readers + 1, MAX_READERS)
+            return True
+
     def take(self, relpath: str, version: Version) -> bytes | None:
-        """The staged bytes of this version of the file, removing them; None if not staged."""
+        """The staged bytes of this version of the file; they leave the area with the
+        last expected reader.  None if not staged."""
         with self._cond:
             entry = self._entries.get(relpath)
             if entry is None:
                 return None
+            if entry.readers > 1 and entry.version == version:
+                entry.readers -= 1
+                return entry.data
             del self._entries[relpath]
             self._used -= len(entry.data)
             self._cond.notify_all()

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # The hidden entry at the root of the mount that leads to the control socket.
 # Not listed by readdir, so `diff -r BACKING MOUNTPOINT` stays clean.
 CONTROL_NAME = ".cachefs.sock"
+READAHEAD_FROM_START = 2**20
 # Larger files are read through the mount, chunk by chunk, rather than held whole.
 MAX_WHOLE_READ_BYTES = 64 * 2**20
 
@@ -58,6 +59,7 @@ class OpenFile:
     # "prefetch" for the first open of a file the prefetcher put in the cache.
     cache_source: str = "cache"
     next_offset: int = 0
+    sequential_bytes: int = 0  # read back to back up to next_offset
     remote_file: RemoteFile | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -189,10 +191,12 @@ class CachedTree:
 
     def read(self, handle: int, size: int, offset: int) -> bytes:
         f = self._handles[handle]
+        start_offset = offset
         end = min(offset + size, f.attr.size)
         if offset >= end:
             return b""
         with f.lock:
+            run = f.sequential_bytes if offset == f.next_offset else 0
             pieces = []
             while offset < end:
                 if not f.buffer_offset <= offset < f.buffer_offset + len(f.buffer):
@@ -203,6 +207,7 @@ class CachedTree:
                 pieces.append(piece)
                 offset += len(piece)
             f.next_offset = end
+            f.sequential_bytes = run + end - start_offset
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def _fill(self, f: OpenFile, offset: int, end: int) -> None:
@@ -223,13 +228,16 @@ class CachedTree:
             data = self.fetcher.fetch(f.relpath, f.key, f.attr, number, admit=admit)
             self._set_buffer(f, chunk_offset, data, "remote")
             return
-        # Not kept by the cache: read from the remote directly.  Sequential readers
-        # get the rest of the chunk at once (one round trip instead of many); random
-        # readers get what they asked for.
-        if offset == f.next_offset or offset == chunk_offset:
-            length = chunk_offset + chunk_length - offset
-        else:
-            length = min(end, chunk_offset + chunk_length) - offset
+        # Not kept by the cache: read from the remote directly.  Random readers get what
+        # they asked for.  Sequential readers get a read-ahead twice what they have read
+        # in a row so far (1 MiB from the start of a file, which is usually read whole):
+        # few round trips for a whole file, and a record read at a random offset inside
+        # a shard costs at most about twice its size.
+        wanted = end - offset
+        if offset == f.next_offset:
+            wanted = max(wanted, 2 * f.sequential_bytes, READAHEAD_FROM_START if offset == 0
+                         else 0)
+        length = min(offset + wanted, chunk_offset + chunk_length) - offset
         if f.remote_file is None:
             f.remote_file = self.remote.open(f.relpath, f.attr.version)
         data = f.remote_file.pread(offset, length)

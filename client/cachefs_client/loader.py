@@ -48,9 +48,12 @@ class DataLoader(torch.utils.data.DataLoader):
             path_of = default_path_of(dataset)
         if lookahead is None:
             lookahead = default_lookahead(plain.num_workers, plain.prefetch_factor)
+        # Persistent workers: torch draws their base seed from the generator only once.
+        persistent = bool(plain.persistent_workers and plain.num_workers > 0)
         if plain.batch_sampler is not None:
             batches = HintingBatchSampler(plain.batch_sampler, path_of, lookahead=lookahead,
-                                          loader_generator=plain.generator)
+                                          loader_generator=plain.generator,
+                                          persistent_workers=persistent)
             super().__init__(dataset, batch_sampler=batches, **rest)
             # ``loader.sampler`` stays the user's sampler, so that the usual
             # ``loader.sampler.set_epoch(epoch)`` reaches a DistributedSampler.  With a
@@ -60,5 +63,6 @@ class DataLoader(torch.utils.data.DataLoader):
         else:
             # Without automatic batching every item is a "batch" of one sample.
             indices = HintingSampler(plain.sampler, path_of, lookahead=lookahead,
-                                     loader_generator=plain.generator)
+                                     loader_generator=plain.generator,
+                                     persistent_workers=persistent)
             super().__init__(dataset, batch_size=None, sampler=indices, **rest)

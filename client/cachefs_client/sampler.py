@@ -43,7 +43,8 @@ class _Lookahead:
     """The engine shared by both samplers: items are batches (lists) or single indices."""
 
     def __init__(self, source, path_of: Callable[[int], Any], lookahead: int,
-                 indices_of: Callable[[Any], Iterable[int]], loader_generator) -> None:
+                 indices_of: Callable[[Any], Iterable[int]], loader_generator,
+                 persistent_workers: bool = False) -> None:
         if lookahead < 0:
             raise ValueError("lookahead must be >= 0")
         self.source = source
@@ -51,6 +52,7 @@ class _Lookahead:
         self.lookahead = lookahead
         self.indices_of = indices_of
         self.loader_generator = loader_generator
+        self.persistent_workers = persistent_workers
         self.predict_next_epoch = True
         self._hinted_for_next: list = []
 
@@ -126,9 +128,11 @@ class _Lookahead:
         if hasattr(twin_sampler, "set_epoch") and hasattr(twin_sampler, "epoch"):
             twin_sampler.set_epoch(twin_sampler.epoch + 1)  # DistributedSampler
         generator = getattr(sampler, "generator", None)
-        if generator is not None and generator is self.loader_generator:
+        if generator is not None and generator is self.loader_generator \
+                and not self.persistent_workers:
             # The DataLoader draws its workers' base seed from this same generator
-            # before the sampler runs: advance the copy the same way.
+            # before the sampler runs, each epoch (once only with persistent workers,
+            # whose iterator lives on): advance the copy the same way.
             torch.empty((), dtype=torch.int64).random_(generator=twin_sampler.generator)
         return iter(twin)
 
@@ -154,16 +158,17 @@ class HintingBatchSampler(Sampler[list[int]]):
 
     ``path_of(index)`` gives the file path of a dataset index, on a cachefs mount.
     ``loader_generator``: the DataLoader's ``generator`` argument, when the
-    sampler uses the same one (``DataLoader(shuffle=True, generator=g)``).
+    sampler uses the same one (``DataLoader(shuffle=True, generator=g)``), and
+    ``persistent_workers`` whether that loader keeps its workers (num_workers > 0).
     """
 
     def __init__(self, batch_sampler: Iterable[list[int]], path_of: Callable[[int], Any], *,
-                 lookahead: int | None = None, loader_generator: torch.Generator | None = None
-                 ) -> None:
+                 lookahead: int | None = None, loader_generator: torch.Generator | None = None,
+                 persistent_workers: bool = False) -> None:
         self.batch_sampler = batch_sampler
         self._engine = _Lookahead(batch_sampler, path_of,
                                   default_lookahead(None, None) if lookahead is None else lookahead,
-                                  lambda batch: batch, loader_generator)
+                                  lambda batch: batch, loader_generator, persistent_workers)
 
     @property
     def lookahead(self) -> int:
@@ -186,12 +191,12 @@ class HintingSampler(Sampler[int]):
     counts indices."""
 
     def __init__(self, sampler: Iterable[int], path_of: Callable[[int], Any], *,
-                 lookahead: int | None = None, loader_generator: torch.Generator | None = None
-                 ) -> None:
+                 lookahead: int | None = None, loader_generator: torch.Generator | None = None,
+                 persistent_workers: bool = False) -> None:
         self.sampler = sampler
         self._engine = _Lookahead(sampler, path_of,
                                   default_lookahead(None, None) if lookahead is None else lookahead,
-                                  lambda index: (index,), loader_generator)
+                                  lambda index: (index,), loader_generator, persistent_workers)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._engine)
