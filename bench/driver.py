@@ -77,16 +77,19 @@ class EpochResult:
 class ExampleDataset:
     """Examples as (path, offset, length); an item is the number of bytes read.
 
-    Whole files are read with open().read(), as ImageFolder does; records of shard files with
+    Whole files are read with open().read(), as ImageFolder does, or, with ``fast_path``, with
+    cachefs_client.read_file, as a hinted training script does; records of shard files with
     os.pread at their offset. Returning the length rather than the bytes keeps worker-to-loop
     traffic out of the measurement (a real pipeline returns a decoded tensor of its own size).
     """
 
-    def __init__(self, root: str, examples: list[tuple[str, int, int]], whole_files: bool):
+    def __init__(self, root: str, examples: list[tuple[str, int, int]], whole_files: bool,
+                 fast_path: bool = False):
         self.paths = [os.path.join(root, path) for path, _, _ in examples]
         self.offsets = [offset for _, offset, _ in examples]
         self.lengths = [length for _, _, length in examples]
         self.whole_files = whole_files
+        self.fast_path = fast_path
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -95,7 +98,11 @@ class ExampleDataset:
         return self.paths[index]
 
     def __getitem__(self, index: int) -> int:
-        if self.whole_files:
+        if self.whole_files and self.fast_path:
+            from cachefs_client import read_file
+
+            data = read_file(self.paths[index])
+        elif self.whole_files:
             with open(self.paths[index], "rb") as f:
                 data = f.read()
         else:
@@ -130,7 +137,9 @@ def _loader(config: LoopConfig):
 
     # More workers than cores is deliberate: they wait on I/O, not on the CPU.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
-    dataset = ExampleDataset(config.root, config.examples, config.whole_files)
+    # The hinted variants use the client whole: hints and its read past FUSE.
+    dataset = ExampleDataset(config.root, config.examples, config.whole_files,
+                             fast_path=config.hints)
     generator = torch.Generator().manual_seed(config.seed)
     # The same arguments with and without hints, so both variants see the same batches.
     # Persistent workers, as a tuned training script has them: otherwise every epoch of a

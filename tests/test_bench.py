@@ -59,7 +59,14 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
         assert full["cachefs_remote_bytes"] == 0
         empty = _epoch(result, f"cachefs-f0{hints}", 2)["counters"]
         assert empty["cachefs_hit_opens"] == 0
-        assert empty["cachefs_remote_bytes"] >= dataset_bytes
+        # Nothing is kept: without hints every epoch reads the whole dataset from the remote.
+        # With hints some of epoch 2's files are fetched at the end of epoch 1, and a file
+        # read late in epoch 1 and early in epoch 2 may be fetched once for both reads.
+        if not hints:
+            assert empty["cachefs_remote_bytes"] >= dataset_bytes
+        else:
+            assert sum(_epoch(result, "cachefs-f0-hints", n)["counters"]
+                       ["cachefs_remote_bytes"] for n in (1, 2)) >= dataset_bytes
     assert _epoch(result, "direct", 2)["counters"]["remote_bytes"] == dataset_bytes
 
     table = (out / "latest.md").read_text()
