@@ -78,6 +78,13 @@ class AttrCache:
         self._remember(relpath, attr, now)
         return attr
 
+    def peek(self, relpath: str) -> Attr | None:
+        """The attributes if memory holds them within the interval; never a round trip."""
+        entry = self._entries.get(relpath)
+        if entry is None or (self._ttl is not None and time.monotonic() - entry[1] >= self._ttl):
+            return None
+        return entry[0]
+
     def put(self, relpath: str, attr: Attr) -> None:
         """Remember attributes learned elsewhere (a fresh fstat of the open file)."""
         self._remember(relpath, attr, time.monotonic())

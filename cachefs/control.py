@@ -36,6 +36,9 @@ MAX_CONNECTIONS = 1024
 # A node of 8 training processes with 8 workers each holds 2 x 72 connections.
 MAX_CONNECTIONS_PER_USER = 256
 SEND_TIMEOUT_SECONDS = 5.0
+# Replies to pipelined requests are held back at most this much before being sent.
+MAX_HELD_PAYLOAD_BYTES = 2**20
+MAX_FDS_PER_MESSAGE = 64  # clients accept up to SCM_MAX_FD (253) per message
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,20 @@ class Peer:
 
 @dataclass
 class Reply:
-    """A JSON line to send back, and raw bytes right after it (its body says how many)."""
+    """A JSON line to send back, and raw bytes right after it (its body says how many).
+
+    ``fd``, when set, travels with the line as SCM_RIGHTS ancillary data; the reply
+    owns it and the server closes it once sent (or once the client is gone).
+    """
 
     body: dict
     payload: bytes = b""
+    fd: int | None = None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 Handler = Callable[[Peer, bytes], Reply | None]
@@ -138,17 +151,22 @@ class ControlServer:
     def _serve(self, conn: socket.socket, peer: Peer) -> None:
         try:
             conn.settimeout(None)
-            listening = True
-            for line in _lines(conn, self._on_invalid):
-                reply = self._dispatch(peer, line)
-                if reply is not None and listening:
-                    try:
-                        _send(conn, reply)
-                    except OSError:
-                        # The client stopped reading (or closed after writing): the
-                        # requests it already sent are still carried out.
-                        listening = False
-
+            # A client that stops reading makes sends fail after this long.  Set on the
+            # socket, not with settimeout(), which would add a poll() and two ioctl()s to
+            # every reply.
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("ll", int(SEND_TIMEOUT_SECONDS), 0))
+            outbox = _Outbox(conn)
+            try:
+                for line in _lines(conn, self._on_invalid):
+                    if line is None:  # about to wait for more: answer what was asked so far
+                        outbox.flush()
+                        continue
+                    reply = self._dispatch(peer, line)
+                    if reply is not None:
+                        outbox.add(reply)
+            finally:
+                outbox.discard()
         except OSError:
             pass  # the client went away
         except Exception:
@@ -178,10 +196,13 @@ def _peer_of(conn: socket.socket) -> Peer:
 
 
 def _lines(conn: socket.socket, on_overlong: Callable[[], None]):
-    """Complete lines from ``conn``; a line longer than MAX_LINE_BYTES is skipped."""
+    """Complete lines from ``conn``, and None each time every line received so far has
+    been yielded (the caller answers them before we wait for more).  A line longer
+    than MAX_LINE_BYTES is skipped."""
     pending = bytearray()
     skipping = False
     while True:
+        yield None
         data = conn.recv(65536)
         if not data:
             return
@@ -206,12 +227,61 @@ def _lines(conn: socket.socket, on_overlong: Callable[[], None]):
             pending.clear()
 
 
-def _send(conn: socket.socket, reply: Reply) -> None:
-    message = json.dumps(reply.body, separators=(",", ":")).encode() + b"\n"
-    conn.settimeout(SEND_TIMEOUT_SECONDS)
-    try:
-        conn.sendall(message)
+class _Outbox:
+    """The replies to one connection's pipelined requests, sent together: one sendmsg
+    (descriptors included) for a batch of requests, not one per request.  Held back
+    only until the requests already received are answered, or a bound is reached."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self._conn = conn
+        self._replies: list[Reply] = []
+        self._payload_bytes = 0
+        self._fds = 0
+        self._listening = True
+
+    def add(self, reply: Reply) -> None:
+        self._replies.append(reply)
+        self._payload_bytes += len(reply.payload)
+        self._fds += reply.fd is not None
+        if self._payload_bytes >= MAX_HELD_PAYLOAD_BYTES or self._fds >= MAX_FDS_PER_MESSAGE:
+            self.flush()
+
+    def flush(self) -> None:
+        replies, self._replies = self._replies, []
+        self._payload_bytes = self._fds = 0
+        try:
+            if replies and self._listening:
+                _send(self._conn, replies)
+        except OSError:
+            # The client stopped reading (or closed after writing): the requests it
+            # already sent are still carried out.
+            self._listening = False
+        finally:
+            for reply in replies:
+                reply.close()
+
+    def discard(self) -> None:
+        for reply in self._replies:
+            reply.close()
+        self._replies = []
+
+
+def _send(conn: socket.socket, replies: list[Reply]) -> None:
+    # Reply lines are joined; payloads (possibly large) are sent as they are.
+    pieces: list[bytes] = []
+    lines: list[bytes] = []
+    for reply in replies:
+        lines.append(json.dumps(reply.body, separators=(",", ":")).encode() + b"\n")
         if reply.payload:
-            conn.sendall(reply.payload)
-    finally:
-        conn.settimeout(None)
+            pieces += [b"".join(lines), reply.payload]
+            lines = []
+    if lines:
+        pieces.append(b"".join(lines))
+    fds = [reply.fd for reply in replies if reply.fd is not None]
+    if fds:
+        # The descriptors ride on the first bytes, ahead of every line that announces
+        # one; the client takes them in order.
+        pieces[0] = pieces[0][socket.send_fds(conn, [pieces[0]], fds):]
+    for piece in pieces:
+        if piece:
+            conn.sendall(piece)

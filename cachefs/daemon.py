@@ -123,7 +123,7 @@ class Daemon:
                 control_path,
                 {b"STATUS": self._status_request, b"PING": self._ping_request,
                  b"HINT": self._hint_request, b"FETCH": self._fetch_request,
-                 b"READ": self._read_request},
+                 b"READ": self._read_request, b"OPEN": self._open_request},
                 on_invalid=m.hints.labels("invalid").inc)
         except BaseException:
             self.stop()
@@ -244,16 +244,26 @@ class Daemon:
     def _read_request(self, peer: Peer, argument: bytes) -> Reply:
         """The fast path: a local file's bytes over the socket, checked as the mount would
         check them; anything else is read through the mount (which gives the errno)."""
+        return self._whole_file_reply(peer, argument, descriptor_ok=False)
+
+    def _open_request(self, peer: Peer, argument: bytes) -> Reply:
+        """READ, but a file stored as one chunk comes as a descriptor of that chunk and
+        its checksum, which the client verifies: the daemon does not touch the bytes."""
+        return self._whole_file_reply(peer, argument, descriptor_ok=True)
+
+    def _whole_file_reply(self, peer: Peer, argument: bytes, *, descriptor_ok: bool) -> Reply:
         try:
             relpath, attr = resolve(normalize(argument, str(self.settings.mountpoint)),
                                     self.tree.attrs, self.remote, _caller(peer))
-            found = self.tree.read_whole(relpath, attr)
+            found = self.tree.read_whole(relpath, attr, descriptor_ok=descriptor_ok)
         except (OSError, CachefsError) as exc:
             return Reply({"ok": False, "error": str(exc) or type(exc).__name__})
         if found is None:
             return Reply({"ok": False, "error": "not local"})
-        data, result = found
-        return Reply({"ok": True, "size": len(data), "result": result}, payload=data)
+        body = {"ok": True, "size": attr.size, "result": found.result}
+        if found.fd is not None:
+            return Reply({**body, "xxh3": found.checksum}, fd=found.fd)
+        return Reply(body, payload=found.data)
 
     def _ping_request(self, peer, argument: bytes) -> Reply:
         return Reply({"ok": True, "version": __version__,

@@ -127,6 +127,9 @@ class Prefetcher:
         except NotInTree:
             self._hints["invalid"].inc()
             return
+        if self._known_cached(relpath, caller):
+            self._hints["cached"].inc()
+            return
         with self._cond:
             active = self._active.get(relpath)
             if active is not None and not self._closed:
@@ -268,6 +271,20 @@ class Prefetcher:
         if admit and opened_meanwhile:
             self._outcome["used"].inc()  # (a staged file counts as used when taken)
 
+    def _known_cached(self, relpath: str, caller: Caller | None) -> bool:
+        """Whether memory alone shows the file whole in the cache and readable by the
+        caller: such a hint (every hint of a fully cached epoch) is settled here, on the
+        connection's thread, without a worker's hand-offs or any remote round trip.
+        Anything memory cannot settle goes to the queue, whose workers decide."""
+        memory = _MemoryOnly(self.attrs)
+        try:
+            relpath, attr = resolve(relpath, memory, memory, caller)
+            return self._cached(relpath_key(relpath), attr)
+        except (NotInTree, _NotInMemory):
+            return False
+        except Exception:  # a broken index: the workers meet it too, and report it
+            return False
+
     def _cached(self, key: bytes, attr: Attr) -> bool:
         record = self.store.lookup(key)
         return record is not None and record.version == attr.version \
@@ -320,3 +337,24 @@ class Prefetcher:
 def hint_lines(paths: list[str]) -> bytes:
     """The wire form of hints, for tools written in Python (tests, warm)."""
     return b"".join(b"HINT " + os.fsencode(p) + b"\n" for p in paths)
+
+
+class _NotInMemory(Exception):
+    pass
+
+
+class _MemoryOnly:
+    """The attribute cache seen through memory only: what resolve() may use on a
+    connection's thread, where a round trip to the remote would stall the hints."""
+
+    def __init__(self, attrs: AttrCache) -> None:
+        self._attrs = attrs
+
+    def get(self, relpath: str) -> Attr:
+        attr = self._attrs.peek(relpath)
+        if attr is None:
+            raise _NotInMemory(relpath)
+        return attr
+
+    def readlink(self, relpath: str) -> str:
+        raise _NotInMemory(relpath)  # links are rare: the workers follow them

@@ -212,11 +212,30 @@ class CacheStore:
         try:
             return self._load(data_key(key, number, record.version), chunk)
         except CacheCorrupt as exc:
-            log.warning("cached chunk %d of %s dropped: %s; refetching from the remote",
-                        number, os.fsdecode(key), exc)
-            self._on_integrity_failure()
-            self._drop_chunk(key, record, number)
+            self._corrupt_chunk(key, record, number, str(exc))
             raise
+
+    def open_chunk(self, key: bytes, record: FileRecord, number: int
+                   ) -> tuple[int, ChunkRecord] | None:
+        """A read-only descriptor of stored chunk ``number`` and what its bytes must be
+        (length, checksum), for a reader that verifies both itself; None when it is
+        not stored.  A chunk file that is gone is dropped and counted as read_chunk
+        would; the caller (not the store) closes the descriptor."""
+        chunk = self.chunk_record(key, record, number)
+        if chunk is None:
+            return None
+        try:
+            fd = self.layout.open_chunk(data_key(key, number, record.version))
+        except OSError as exc:
+            self._corrupt_chunk(key, record, number, f"its file cannot be opened ({exc.strerror})")
+            return None
+        return fd, chunk
+
+    def _corrupt_chunk(self, key: bytes, record: FileRecord, number: int, why: str) -> None:
+        log.warning("cached chunk %d of %s dropped: %s; refetching from the remote",
+                    number, os.fsdecode(key), why)
+        self._on_integrity_failure()
+        self._drop_chunk(key, record, number)
 
     def _load(self, dkey: bytes, chunk: ChunkRecord) -> bytes:
         try:

@@ -44,6 +44,17 @@ READAHEAD_FROM_START = 2**20
 MAX_WHOLE_READ_BYTES = 64 * 2**20
 
 
+@dataclass(frozen=True)
+class WholeFile:
+    """A whole local file handed to a fast-path reader: its bytes, or a read-only
+    descriptor of the one chunk that holds them and the xxh3-64 they must hash to."""
+
+    result: str  # "hit" or "prefetched", as the open is counted
+    data: bytes | None = None
+    fd: int | None = None
+    checksum: int | None = None
+
+
 @dataclass(eq=False)
 class OpenFile:
     """One open() of a file.  Thread safety: ``lock`` serialises reads of this handle."""
@@ -151,12 +162,16 @@ class CachedTree:
             result = "prefetched"
         return f, result
 
-    def read_whole(self, relpath: str, attr: Attr) -> tuple[bytes, str] | None:
+    def read_whole(self, relpath: str, attr: Attr, *, descriptor_ok: bool = False
+                   ) -> WholeFile | None:
         """The whole file and how it was found (hit or prefetched), when it is local and
         small enough to hand over at once; None when it must be read through the mount.
 
         This is the control socket's fast path: no FUSE round trips, the same checks
         (revalidated attributes, checksums) and the same metrics as a read by the mount.
+        With ``descriptor_ok``, a file stored as one chunk comes as an open descriptor
+        of that chunk and the checksum its bytes must have: the reader reads the SSD
+        itself and verifies them, so the daemon never touches the bytes.
         """
         if not attr.is_file or attr.size > MAX_WHOLE_READ_BYTES:
             return None
@@ -164,7 +179,14 @@ class CachedTree:
         if result == "miss":
             return None  # the mount fetches it (and counts the open)
         if f.buffer_source == "prefetch" and len(f.buffer) == attr.size:
-            data, source = f.buffer, "prefetch"
+            found, source = WholeFile(result, data=f.buffer), "prefetch"
+        elif descriptor_ok and f.record is not None and chunk_count(attr.size) == 1 \
+                and attr.size > 0:
+            opened = self.store.open_chunk(f.key, f.record, 0)
+            if opened is None:
+                return None  # dropped and counted by the store; the mount refetches
+            fd, chunk = opened
+            found, source = WholeFile(result, fd=fd, checksum=chunk.checksum), f.cache_source
         else:
             pieces = []
             for number in range(chunk_count(attr.size)):
@@ -176,10 +198,10 @@ class CachedTree:
                 if piece is None:
                     return None
                 pieces.append(piece)
-            data, source = b"".join(pieces), f.cache_source
+            found, source = WholeFile(result, data=b"".join(pieces)), f.cache_source
         self._opens[result].inc()
-        self._read_bytes[source].inc(len(data))
-        return data, result
+        self._read_bytes[source].inc(attr.size)
+        return found
 
     def release(self, handle: int) -> None:
         f = self._handles.pop(handle, None)

@@ -18,4 +18,4 @@ fi
 
 # torch first and pinned: an unpinned torch pulls gigabytes of CUDA packages.
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore torch==2.13.0
-python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test,bench]' -e ./client
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test,bench]' -e './client[fast]'

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
-from cachefs_client import read_file
-from tests.conftest import REPO, make_files
+from cachefs_client import read_file, read_files
+from tests.conftest import REPO, make_files, process_figures
 
 
 def control_socket(mount) -> str:
@@ -91,6 +92,81 @@ def test_a_corrupt_chunk_is_never_handed_over(source, remote, mount_cachefs):
     assert mount.metric("cachefs_integrity_failures_total") == 1
 
 
+def open_request(mount, rel: str) -> tuple[dict, bytes | None]:
+    """A raw OPEN request: the reply line and the bytes read from the descriptor it
+    carried (None when none came)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(control_socket(mount))
+        sock.sendall(b"OPEN " + rel.encode() + b"\n")
+        line, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+        try:
+            assert len(fds) <= 1
+            data = os.pread(fds[0], 1 << 20, 0) if fds else None
+        finally:
+            for fd in fds:
+                os.close(fd)
+    return json.loads(line), data
+
+
+def test_a_cached_file_is_handed_over_as_a_descriptor(source, remote, mount_cachefs):
+    payload = os.urandom(300_000)
+    (source / "a.bin").write_bytes(payload)
+    mount = mount_cachefs(remote.path, cache_size="64MiB")
+    reply, data = open_request(mount, "a.bin")
+    assert reply == {"ok": False, "error": "not local"} and data is None  # not cached yet
+    assert read_file(mount.path / "a.bin") == payload  # through the mount: cached now
+    hits = mount.metric("cachefs_file_opens_total", result="hit")
+    fds_before = process_figures(mount.pid)["fds"]
+    for _ in range(50):
+        reply, data = open_request(mount, "a.bin")
+        assert data == payload
+        assert reply == {"ok": True, "size": len(payload), "result": "hit",
+                         "xxh3": xxhash.xxh3_64_intdigest(payload)}
+    assert mount.metric("cachefs_file_opens_total", result="hit") - hits == 50
+    assert process_figures(mount.pid)["fds"] <= fds_before  # every descriptor closed
+
+
+def test_a_batch_comes_in_one_exchange_and_matches(tmp_path, source, remote, mount_cachefs):
+    """read_files: 150 cached files (more descriptors than the daemon sends in one
+    message), some not cached, one missing, one off the mount: each result is what a
+    read of that file gives, in order."""
+    rels = make_files(source, 150, size=(1, 20_000))
+    (source / "late.bin").write_bytes(os.urandom(5000))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not on the mount")
+    mount = mount_cachefs(remote.path, cache_size="64MiB")
+    for rel in rels:  # cached now
+        read_file(mount.path / rel)
+    hits = mount.metric("cachefs_file_opens_total", result="hit")
+    paths = [mount.path / rel for rel in rels] + [mount.path / "late.bin", outside]
+    assert read_files(paths) == [(source / rel).read_bytes() for rel in rels] \
+        + [(source / "late.bin").read_bytes(), outside.read_bytes()]
+    assert mount.metric("cachefs_file_opens_total", result="hit") - hits == len(rels)
+    assert mount.metric("cachefs_file_opens_total", result="miss") == len(rels) + 1
+    with pytest.raises(FileNotFoundError):
+        read_files([mount.path / rels[0], mount.path / "missing.bin"])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "grow"])
+def test_a_damaged_chunk_file_is_never_handed_over(source, remote, mount_cachefs, damage):
+    (source / "a.bin").write_bytes(os.urandom(100_000))
+    mount = mount_cachefs(remote.path, cache_size="64MiB")
+    assert read_file(mount.path / "a.bin") == (source / "a.bin").read_bytes()
+    [chunk] = [p for p in (mount.cache_dir / "data").rglob("*") if p.is_file()]
+    if damage == "truncate":
+        os.truncate(chunk, 99_000)
+    elif damage == "delete":
+        chunk.unlink()
+    else:
+        with open(chunk, "ab") as f:
+            f.write(b"x")
+    assert read_file(mount.path / "a.bin") == (source / "a.bin").read_bytes()
+    assert mount.metric("cachefs_integrity_failures_total") == 1
+    # Refetched and stored again: the next read is a verified hit.
+    assert read_file(mount.path / "a.bin") == (source / "a.bin").read_bytes()
+    assert mount.metric("cachefs_integrity_failures_total") == 1
+
+
 def test_a_changed_file_is_not_served_stale(source, remote, mount_cachefs):
     (source / "a.bin").write_bytes(b"old" * 1000)
     mount = mount_cachefs(remote.path, cache_size="64MiB", revalidate=1)
@@ -154,6 +230,11 @@ with socket.socket(socket.AF_UNIX) as s:
     s.connect(sock_path)
     s.sendall(b"READ " + rel.encode() + b"\\n")
     out["reply"] = json.loads(s.makefile("rb").readline())
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(sock_path)
+    s.sendall(b"OPEN " + rel.encode() + b"\\n")
+    line, fds, _, _ = socket.recv_fds(s, 65536, 4)
+    out["open_reply"], out["open_fds"] = json.loads(line), len(fds)
 print(json.dumps(out))
 """
 
@@ -187,3 +268,4 @@ def test_the_daemon_checks_who_asks(shared_dirs, mount_cachefs):
     out = json.loads(result.stdout)
     assert out["read_file"] == errno.errorcode[errno.EACCES]
     assert out["reply"]["ok"] is False and "size" not in out["reply"]
+    assert out["open_reply"]["ok"] is False and out["open_fds"] == 0

@@ -13,11 +13,11 @@ are not on a cachefs mount or the daemon is gone, training goes on unchanged.
 
 from cachefs_client._daemon import send_hints
 from cachefs_client.dataset import FileDataset, default_path_of
-from cachefs_client.fastpath import read_file
+from cachefs_client.fastpath import read_file, read_files
 from cachefs_client.loader import DataLoader
 from cachefs_client.sampler import HintingBatchSampler, HintingSampler
 
 __version__ = "0.1.0"
 
 __all__ = ["DataLoader", "FileDataset", "HintingBatchSampler", "HintingSampler",
-           "default_path_of", "read_file", "send_hints"]
+           "default_path_of", "read_file", "read_files", "send_hints"]
