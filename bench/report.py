@@ -91,10 +91,12 @@ def markdown(results: dict, png_name: str | None) -> str:
             f"Linux {m['kernel']} (Python {m['python']}, torch {m['torch']}, {m['rclone']}); "
             f"{results['seconds']:.0f} s in all. Load average (1, 5, 15 min) "
             f"{_load(m.get('load_average'))} at the start, "
-            f"{_load(m.get('load_average_after'))} at the end.", ""]
-    busiest = max((m.get("load_average") or [0])[:1] + (m.get("load_average_after") or [0])[:1])
+            f"{_load(m.get('load_average_after'))} at the end (the end figure counts the "
+            "benchmark's own workers and daemons).", ""]
+    # Only the load before the run tells of other work: the run itself loads the machine.
+    busiest = (m.get("load_average") or [0])[0]
     if busiest > m["cores"]:
-        out += [f"> **The machine was busy with other work** (load average up to {busiest:.0f} on "
+        out += [f"> **The machine was busy with other work** (load average {busiest:.0f} on "
                 f"{m['cores']} cores): every variant got a fraction of the CPU, the FUSE daemons "
                 "(Python) most of all, so the figures are lower and noisier than on an idle "
                 "machine. Compare variants within this run only.", ""]
