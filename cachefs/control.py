@@ -39,6 +39,9 @@ SEND_TIMEOUT_SECONDS = 5.0
 # Replies to pipelined requests are held back at most this much before being sent.
 MAX_HELD_PAYLOAD_BYTES = 2**20
 MAX_FDS_PER_MESSAGE = 64  # clients accept up to SCM_MAX_FD (253) per message
+# Only the replies to these (a batch's reads) wait for the requests after them; any
+# other request (a FETCH may take seconds) first sends what is held.
+COALESCED_COMMANDS = frozenset({b"OPEN", b"READ"})
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,11 @@ class ControlServer:
             outbox = _Outbox(conn)
             try:
                 for line in _lines(conn, self._on_invalid):
-                    if line is None:  # about to wait for more: answer what was asked so far
+                    if line is None or line.partition(b" ")[0].upper() not in COALESCED_COMMANDS:
+                        # About to wait for more, or a request that may take long:
+                        # answer what was asked so far.
                         outbox.flush()
+                    if line is None:
                         continue
                     reply = self._dispatch(peer, line)
                     if reply is not None:
@@ -230,7 +236,8 @@ def _lines(conn: socket.socket, on_overlong: Callable[[], None]):
 class _Outbox:
     """The replies to one connection's pipelined requests, sent together: one sendmsg
     (descriptors included) for a batch of requests, not one per request.  Held back
-    only until the requests already received are answered, or a bound is reached."""
+    only until the requests already received are answered, a request other than a
+    read comes, or a bound (bytes, descriptors) is reached."""
 
     def __init__(self, conn: socket.socket) -> None:
         self._conn = conn

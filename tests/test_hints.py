@@ -313,7 +313,9 @@ def test_workers_hint_under_every_start_method(tmp_path, method, source, mount_c
                             text=True, timeout=100, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) == 24 * 700
-    assert "Warning" not in result.stderr
+    # The client's warnings start "cachefs:"; Python's resource tracker may warn about a
+    # semaphore at spawn teardown under load, which is not ours.
+    assert "cachefs:" not in result.stderr
     wait_for(lambda: hint_total(mount) - before >= 24, what="the workers' hints")
 
 
