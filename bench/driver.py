@@ -136,7 +136,7 @@ def drop_page_cache() -> None:
         f.write("3\n")
 
 
-def _percentile(values: list[float], share: float) -> float:
+def percentile(values: list[float], share: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -209,7 +209,7 @@ def run_loop(config: LoopConfig, snapshot: Callable[[], Snapshot],
             wait_seconds=wait, samples_per_second=samples / seconds if seconds else 0.0,
             stall_fraction=wait / seconds if seconds else 0.0,
             wait_p50_ms=1000 * (statistics.median(waits) if waits else 0.0),
-            wait_p99_ms=1000 * _percentile(waits, 0.99),
+            wait_p99_ms=1000 * percentile(waits, 0.99),
             wait_max_ms=1000 * max(waits, default=0.0),
             late_batches=sum(w > step for w in waits) if paced else 0,
             step_seconds=stepping,

@@ -8,6 +8,7 @@ the second on (the first fills the cache).
 from __future__ import annotations
 
 from bench.counters import cachefs_opens
+from bench.driver import percentile
 from bench.variants import CACHEFS, LOCAL, PEER_FRACTION
 
 HIT_RATIO_TOLERANCE = 0.01
@@ -58,8 +59,7 @@ def steady_p99_ms(variant: dict) -> float:
     """
     epochs = steady(variant)
     if all("waits_ms" in e for e in epochs):
-        waits = sorted(w for e in epochs for w in e["waits_ms"])
-        return waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else 0.0
+        return percentile([w for e in epochs for w in e["waits_ms"]], 0.99)
     return max(e["wait_p99_ms"] for e in epochs)
 
 

@@ -162,13 +162,14 @@ class ControlServer:
             outbox = _Outbox(conn)
             try:
                 for line in _lines(conn, self._on_invalid):
-                    if line is None or line.partition(b" ")[0].upper() not in COALESCED_COMMANDS:
-                        # About to wait for more, or a request that may take long:
-                        # answer what was asked so far.
+                    if line is None:  # about to wait for more: answer what was asked so far
                         outbox.flush()
-                    if line is None:
                         continue
-                    reply = self._dispatch(peer, line)
+                    command, _, argument = line.partition(b" ")
+                    command = command.upper()
+                    if command not in COALESCED_COMMANDS:
+                        outbox.flush()  # this one may take long (a FETCH): answer the others
+                    reply = self._dispatch(peer, command, argument)
                     if reply is not None:
                         outbox.add(reply)
             finally:
@@ -187,9 +188,8 @@ class ControlServer:
                     del self._per_user[peer.uid]
             conn.close()
 
-    def _dispatch(self, peer: Peer, line: bytes) -> Reply | None:
-        command, _, argument = line.partition(b" ")
-        handler = self._handlers.get(command.upper())
+    def _dispatch(self, peer: Peer, command: bytes, argument: bytes) -> Reply | None:
+        handler = self._handlers.get(command)
         if handler is None:
             self._on_invalid()
             return Reply({"ok": False, "error": "unknown command"})

@@ -122,14 +122,23 @@ class CacheIndex:
                     self._remember_locked(key, raw)
         return raw
 
-    def _set(self, key: bytes, raw: bytes) -> None:
+    def _set(self, key: bytes, raw: bytes | None) -> None:
+        """Write ``raw`` under ``key`` (None deletes it), keeping the memo in step: a reader
+        that went to the database before the write does not remember what it found."""
         with self._memo_lock:
             self._writes += 1
             self._memo.pop(key, None)
         with self._db_lock:
-            self._cache.set(key, raw)
+            if raw is None:
+                self._cache.delete(key)
+            else:
+                self._cache.set(key, raw)
         with self._memo_lock:
-            self._remember_locked(key, raw)
+            # Again after the write: a reader may have remembered the old record meanwhile.
+            if raw is None:
+                self._memo.pop(key, None)
+            else:
+                self._remember_locked(key, raw)
             self._writes += 1
 
     def _remember_locked(self, key: bytes, raw: bytes) -> None:
@@ -162,14 +171,7 @@ class CacheIndex:
         self._set(key, _CHUNK.pack(record.checksum, record.length))
 
     def delete(self, key: bytes) -> None:
-        with self._memo_lock:
-            self._writes += 1
-            self._memo.pop(key, None)
-        with self._db_lock:
-            self._cache.delete(key)
-        with self._memo_lock:
-            self._memo.pop(key, None)
-            self._writes += 1
+        self._set(key, None)
 
     def all_keys(self) -> Iterator[bytes]:
         """Every key, file and chunk records alike (a snapshot; safe to delete while iterating)."""

@@ -88,6 +88,7 @@ class Prefetcher:
         self.fetcher = fetcher
         self.remote = remote
         self.attrs = attrs
+        self._memory = _MemoryOnly(attrs)  # what hint intake may consult (_known_cached)
         self.staging = staging
         self.metrics = metrics
         self._hints = {r: metrics.hints.labels(r) for r in ("accepted", "cached", "invalid",
@@ -276,14 +277,11 @@ class Prefetcher:
         caller: such a hint (every hint of a fully cached epoch) is settled here, on the
         connection's thread, without a worker's hand-offs or any remote round trip.
         Anything memory cannot settle goes to the queue, whose workers decide."""
-        memory = _MemoryOnly(self.attrs)
         try:
-            relpath, attr = resolve(relpath, memory, memory, caller)
+            relpath, attr = resolve(relpath, self._memory, self._memory, caller)
             return self._cached(relpath_key(relpath), attr)
-        except (NotInTree, _NotInMemory):
-            return False
-        except Exception:  # a broken index: the workers meet it too, and report it
-            return False
+        except Exception:  # not in the tree, not in memory, or a broken index: the workers
+            return False   # decide, and report what needs reporting
 
     def _cached(self, key: bytes, attr: Attr) -> bool:
         record = self.store.lookup(key)

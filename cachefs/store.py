@@ -225,11 +225,10 @@ class CacheStore:
         if chunk is None:
             return None
         try:
-            fd = self.layout.open_chunk(data_key(key, number, record.version))
-        except OSError as exc:
-            self._corrupt_chunk(key, record, number, f"its file cannot be opened ({exc.strerror})")
+            return self._open_data(data_key(key, number, record.version)), chunk
+        except CacheCorrupt as exc:
+            self._corrupt_chunk(key, record, number, str(exc))
             return None
-        return fd, chunk
 
     def _corrupt_chunk(self, key: bytes, record: FileRecord, number: int, why: str) -> None:
         log.warning("cached chunk %d of %s dropped: %s; refetching from the remote",
@@ -237,11 +236,14 @@ class CacheStore:
         self._on_integrity_failure()
         self._drop_chunk(key, record, number)
 
-    def _load(self, dkey: bytes, chunk: ChunkRecord) -> bytes:
+    def _open_data(self, dkey: bytes) -> int:
         try:
-            fd = self.layout.open_chunk(dkey)
+            return self.layout.open_chunk(dkey)
         except OSError as exc:
             raise CacheCorrupt(f"its file cannot be opened ({exc.strerror})") from None
+
+    def _load(self, dkey: bytes, chunk: ChunkRecord) -> bytes:
+        fd = self._open_data(dkey)
         try:
             # One byte more than recorded tells a file that grew from an intact one.
             data = os.pread(fd, chunk.length + 1, 0)

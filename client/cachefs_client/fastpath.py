@@ -64,10 +64,6 @@ class DaemonReader:
         self._broken = False
         self._descriptors = xxh3_64_intdigest is not None
 
-    def read(self, relative: bytes) -> bytes | None:
-        """The file's bytes from the daemon, or None when the mount must be used."""
-        return self.read_many([relative])[0]
-
     def read_many(self, relatives: list[bytes]) -> list[bytes | None]:
         """Each file's bytes from the daemon, or None where the mount must be used."""
         found: list[bytes | None] = [None] * len(relatives)
@@ -227,20 +223,14 @@ def read_file(path) -> bytes:
     """The bytes of the file at ``path``: from the cachefs daemon directly when the file
     is local to it, through the filesystem otherwise.  Same result as
     ``open(path, "rb").read()``, errors included."""
-    absolute = os.path.abspath(os.fspath(path))
-    root = process_state().mounts.root_of(absolute)
-    if root is not None:
-        data = reader_for(root).read(os.fsencode(absolute[len(root):].lstrip("/")))
-        if data is not None:
-            return data
-    with open(path, "rb") as f:
-        return f.read()
+    return read_files([path])[0]
 
 
 def read_files(paths) -> list[bytes]:
     """``read_file`` for a batch: the files local to the daemon come in one round trip
     (a DataLoader worker's ``__getitems__`` is the place to call it).  Same results as
     reading each file in turn, errors included."""
+    paths = list(paths)
     absolute = [os.path.abspath(os.fspath(path)) for path in paths]
     found: list[bytes | None] = [None] * len(absolute)
     by_root: dict[str, list[int]] = {}
