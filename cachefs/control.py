@@ -273,12 +273,16 @@ class _Outbox:
         self._replies = []
 
 
+# One encoder for every reply: json.dumps with options builds a new one per call.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def _send(conn: socket.socket, replies: list[Reply]) -> None:
     # Reply lines are joined; payloads (possibly large) are sent as they are.
     pieces: list[bytes] = []
     lines: list[bytes] = []
     for reply in replies:
-        lines.append(json.dumps(reply.body, separators=(",", ":")).encode() + b"\n")
+        lines.append(_encode(reply.body).encode() + b"\n")
         if reply.payload:
             pieces += [b"".join(lines), reply.payload]
             lines = []

@@ -75,6 +75,7 @@ class Daemon:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self._mount_text = str(settings.mountpoint)  # what request paths are relative to
         self.started_at = time.time()
         self.metrics = Metrics()
         self.metrics_port: int | None = None
@@ -253,17 +254,18 @@ class Daemon:
 
     def _whole_file_reply(self, peer: Peer, argument: bytes, *, descriptor_ok: bool) -> Reply:
         try:
-            relpath, attr = resolve(normalize(argument, str(self.settings.mountpoint)),
+            relpath, attr = resolve(normalize(argument, self._mount_text),
                                     self.tree.attrs, self.remote, _caller(peer))
             found = self.tree.read_whole(relpath, attr, descriptor_ok=descriptor_ok)
         except (OSError, CachefsError) as exc:
             return Reply({"ok": False, "error": str(exc) or type(exc).__name__})
         if found is None:
             return Reply({"ok": False, "error": "not local"})
-        body = {"ok": True, "size": attr.size, "result": found.result}
         if found.fd is not None:
-            return Reply({**body, "xxh3": found.checksum}, fd=found.fd)
-        return Reply(body, payload=found.data)
+            return Reply({"ok": True, "size": attr.size, "result": found.result,
+                          "xxh3": found.checksum}, fd=found.fd)
+        return Reply({"ok": True, "size": attr.size, "result": found.result},
+                     payload=found.data)
 
     def _ping_request(self, peer, argument: bytes) -> Reply:
         return Reply({"ok": True, "version": __version__,

@@ -50,6 +50,7 @@ class CacheLayout:
         self.index_dir = root / "index"
         self.data_dir = root / "data"
         self.tmp_dir = root / "tmp"
+        self._data_prefix = f"{self.data_dir}/"  # chunk paths are built on every read
         self._lock_fd: int | None = None
 
     # -- opening -------------------------------------------------------------------------
@@ -128,7 +129,7 @@ class CacheLayout:
         return f"{digest[:2]}/{digest[2:]}"
 
     def chunk_path(self, key: bytes) -> str:
-        return os.path.join(self.data_dir, self.chunk_name(key))
+        return self._data_prefix + self.chunk_name(key)
 
     def write_chunk(self, key: bytes, data: bytes | memoryview) -> tuple[int, int]:
         """Store ``data`` atomically; returns (bytes allocated for it, bytes of its directory)."""

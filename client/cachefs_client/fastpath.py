@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import json
 import os
 import socket
@@ -40,6 +41,12 @@ MAX_REQUEST_PATH_BYTES = 4096
 MAX_BATCH_REQUEST_BYTES = 32768
 # The daemon sends up to 64 descriptors in one message; room for the kernel's most.
 _ANCILLARY_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
+
+# glibc's mallopt() parameters, and what a reading process keeps (see _keep_freed_memory).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+HEAP_ALLOCATION_MAX_BYTES = 32 << 20  # glibc's ceiling for the mmap threshold
+KEPT_FREE_BYTES = 128 << 20
 
 try:
     from xxhash import xxh3_64_intdigest
@@ -63,6 +70,7 @@ class DaemonReader:
         self._replies: _Replies | None = None
         self._broken = False
         self._descriptors = xxh3_64_intdigest is not None
+        _keep_freed_memory()
 
     def read_many(self, relatives: list[bytes]) -> list[bytes | None]:
         """Each file's bytes from the daemon, or None where the mount must be used."""
@@ -141,6 +149,27 @@ class DaemonReader:
                 except OSError:
                     pass
         self._sock = self._replies = None
+
+
+def _keep_freed_memory() -> None:
+    """Let this process reuse the memory of one batch's files for the next batch.
+
+    A batch's files are all alive at once (megabytes), then freed together.  glibc
+    hands such memory back to the kernel at once (heap trim; munmap for allocations
+    over 128 KiB), so the next batch takes a page fault for every 4 KiB it reads:
+    measured here, that doubled a worker's CPU per 64 KiB file (about 50 us more
+    than the read itself).  Keeping up to KEPT_FREE_BYTES of freed heap, and taking
+    files of up to 32 MiB from the heap, makes the batches reuse one another's pages.
+    The peak memory is the batch's, as before; it is just not returned in between.
+    Elsewhere than glibc this does nothing.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt(_M_MMAP_THRESHOLD, HEAP_ALLOCATION_MAX_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, KEPT_FREE_BYTES)
 
 
 def _batches(wanted: list[int], relatives: list[bytes]) -> list[list[int]]:
