@@ -68,7 +68,7 @@ class RunSettings:
 
 PRESETS = {
     # About 10-15 minutes on 2 cores: enough files that an epoch lasts seconds at the pace.
-    "full": dict(examples=3000, epochs=3, unpaced_epochs=1, workers=8, batch=V100_BATCH,
+    "full": dict(examples=3000, epochs=3, unpaced_epochs=2, workers=8, batch=V100_BATCH,
                  pace=V100_PACE, profile="efs", fps_files=3000,
                  out_dir=BENCH_DIR / "results"),
     # The CI smoke run: every variant, two epochs (the second is the steady state), small.

@@ -15,6 +15,8 @@ HIT_RATIO_TOLERANCE = 0.01
 REMOTE_BYTES_SLACK = 1.02
 SPEEDUP_OVER_DIRECT = 3.0
 SPEEDUP_OVER_RCLONE = 4.0
+# A fully cached dataset read with hints (the fast path) against the local copy.
+SHARE_OF_LOCAL = 0.6
 MAX_STALL = 0.05
 MIN_FILES_PER_SECOND = 4000
 
@@ -147,6 +149,19 @@ def _speedup_verdicts(results: dict) -> list[dict]:
     return out
 
 
+def _fast_path_verdict(results: dict) -> list[dict]:
+    variants = _by_name(results)
+    name = "cachefs-f1-hints"
+    ours, how = _speed(variants.get(name))
+    local, _ = _speed(variants.get(LOCAL))
+    target = f"samples/s >= {SHARE_OF_LOCAL:.0%} of local"
+    if ours is None or not local:
+        return [_verdict(target, None, "not measured", name)]
+    share = ours / local
+    return [_verdict(target, share >= SHARE_OF_LOCAL,
+                     f"{share:.0%} ({ours:.0f} vs {local:.0f} samples/s, {how})", name)]
+
+
 def _pace_verdicts(results: dict) -> list[dict]:
     step, pace = results["settings"]["step_ms"], results["settings"]["pace"]
     target = (f"pace {pace:.0f} samples/s: p99 batch wait <= {step:.1f} ms and "
@@ -184,7 +199,8 @@ def _files_per_second_verdict(results: dict) -> list[dict]:
 def evaluate(results: dict) -> list[dict]:
     """Every verdict, from the raw results alone (so a report can be redrawn from the JSON)."""
     return (_cache_verdicts(results) + _speedup_verdicts(results)
-            + _pace_verdicts(results) + _files_per_second_verdict(results))
+            + _fast_path_verdict(results) + _pace_verdicts(results)
+            + _files_per_second_verdict(results))
 
 
 def machine_reaches_pace(results: dict, step_ms: float) -> bool | None:

@@ -73,4 +73,6 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     for name in VARIANTS:
         assert f"| {name} | 2 |" in table
     assert "## Targets" in table and result["machine"]["cpu"] in table
+    # Each speed target is judged against a baseline of the same run.
+    assert "| samples/s >= 60% of local | cachefs-f1-hints | " in table
     assert result["files_per_second"]["error"] is None
