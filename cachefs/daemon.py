@@ -261,9 +261,9 @@ class Daemon:
             return Reply({"ok": False, "error": str(exc) or type(exc).__name__})
         if found is None:
             return Reply({"ok": False, "error": "not local"})
-        if found.fd is not None:
-            return Reply({"ok": True, "size": attr.size, "result": found.result,
-                          "xxh3": found.checksum}, fd=found.fd)
+        if found.fd is not None:  # the reply to every cached file: formatted directly
+            return Reply(b'{"ok":true,"size":%d,"result":"%s","xxh3":%d}'
+                         % (attr.size, found.result.encode(), found.checksum), fd=found.fd)
         return Reply({"ok": True, "size": attr.size, "result": found.result},
                      payload=found.data)
 
