@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from bench import plot, targets
+from bench.filerate import CACHEFS_SETTINGS
 
 MIB = 2**20
 
@@ -200,8 +201,9 @@ def markdown(results: dict, png_name: str | None) -> str:
                     "kept |", "|---|---|---|",
                     f"| local copy | {fps['local']['cold']:,} ({fps['local']['cold_passes']}) | "
                     f"{fps['local']['page_cache']:,} |",
-                    *(f"| {label} | {fps[name]['cold']:,} ({fps[name]['cold_passes']}) | "
-                      f"{fps[name]['page_cache']:,} |" for name, label in FPS_ROWS if name in fps),
+                    *(f"| {_fps_label(args)} | {fps[name]['cold']:,} "
+                      f"({fps[name]['cold_passes']}) | {fps[name]['page_cache']:,} |"
+                      for name, args in CACHEFS_SETTINGS.items() if name in fps),
                     "", "With `--revalidate never` (a dataset that never changes) the kernel "
                     "keeps file pages and attributes across opens.", "",
                     f"cachefs hit ratio during the measured passes: "
@@ -212,8 +214,9 @@ def markdown(results: dict, png_name: str | None) -> str:
     return "\n".join(out) + "\n"
 
 
-# files/s rows of cachefs: results key, label
-FPS_ROWS = [("cachefs", "cachefs"), ("cachefs-immutable", "cachefs, `--revalidate never`")]
+def _fps_label(args: tuple[str, ...]) -> str:
+    """A files/s row of cachefs, named by the flags it was mounted with."""
+    return f"cachefs, `{' '.join(args)}`" if args else "cachefs"
 
 
 def write(results: dict, out_dir: Path, stem: str = "latest") -> list[Path]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import array
 import collections
 import ctypes
+import functools
 import json
 import os
 import socket
@@ -39,6 +40,7 @@ MAX_REPLY_LINE = 65536
 MAX_REQUEST_PATH_BYTES = 4096
 # Requests sent at once; well under a Unix socket's buffer (about 200 KiB).
 MAX_BATCH_REQUEST_BYTES = 32768
+_REQUEST_FRAME_BYTES = len(b"OPEN \n")  # a request's bytes besides its path
 # The daemon sends up to 64 descriptors in one message; room for the kernel's most.
 _ANCILLARY_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
 
@@ -151,6 +153,7 @@ class DaemonReader:
         self._sock = self._replies = None
 
 
+@functools.cache  # a setting of the process (kept across fork): made once
 def _keep_freed_memory() -> None:
     """Let this process reuse the memory of one batch's files for the next batch.
 
@@ -178,11 +181,12 @@ def _batches(wanted: list[int], relatives: list[bytes]) -> list[list[int]]:
     batches: list[list[int]] = []
     size = MAX_BATCH_REQUEST_BYTES
     for i in wanted:
-        if size + len(relatives[i]) + 6 > MAX_BATCH_REQUEST_BYTES:
+        request_bytes = len(relatives[i]) + _REQUEST_FRAME_BYTES
+        if size + request_bytes > MAX_BATCH_REQUEST_BYTES:
             batches.append([])
             size = 0
         batches[-1].append(i)
-        size += len(relatives[i]) + 6
+        size += request_bytes
     return batches
 
 
