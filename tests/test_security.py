@@ -356,6 +356,22 @@ def _ping(sock_path: str) -> dict | None:
     return json.loads(line) if line else None
 
 
+def connect_past_backlog(path: str, *, timeout: float, deadline: float) -> socket.socket:
+    """A connection to ``path``, retried while its listen backlog is full (EAGAIN: the
+    daemon has not accepted the connections before it yet)."""
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(timeout)
+        try:
+            conn.connect(path)
+            return conn
+        except BlockingIOError:
+            conn.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def test_flood_of_hints_and_junk_is_shrugged_off(source, remote, mount_cachefs):
     rels = make_files(source, 200, size=(1000, 20_000))
     want = {r: (source / r).read_bytes() for r in rels}
@@ -375,9 +391,7 @@ def test_flood_of_hints_and_junk_is_shrugged_off(source, remote, mount_cachefs):
     payloads = [flood, *junk, b"".join(long_lines), b"\0" * 100_000 + b"\nHINT x\0y\nHINT"]
 
     def blast(payload: bytes) -> None:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(60)
-            conn.connect(sock)
+        with connect_past_backlog(sock, timeout=60, deadline=time.monotonic() + 30) as conn:
             try:
                 conn.sendall(payload)
                 conn.shutdown(socket.SHUT_WR)
@@ -394,15 +408,7 @@ def test_flood_of_hints_and_junk_is_shrugged_off(source, remote, mount_cachefs):
     held = []
     deadline = time.monotonic() + 30
     while len(held) < MAX_CONNECTIONS + 150 and time.monotonic() < deadline:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(30)
-        try:
-            conn.connect(sock)
-        except BlockingIOError:  # the listen backlog is full: let the daemon catch up
-            conn.close()
-            time.sleep(0.01)
-            continue
-        held.append(conn)
+        held.append(connect_past_backlog(sock, timeout=30, deadline=deadline))
     assert len(held) == MAX_CONNECTIONS + 150
     answered = 0
     for conn in held:
