@@ -4,8 +4,10 @@ A training loop's hits never touch the remote, so what bounds them is the cost o
 the daemon per file. Measured with a plain multi-threaded read loop (no DataLoader), no hints,
 cachefs at F = 1.0 after one pass has filled the cache, against the same loop on the local
 copy. Each measured pass starts with the page cache dropped, so both read the disk; one more
-pass with the page cache kept shows the best case. cachefs is measured twice: with the default
-revalidation, and with ``--revalidate never``, where the kernel keeps pages across opens.
+pass with the page cache kept shows a warm node: the kernel keeps the pages of unchanged
+files across opens, so they reach the daemon only for the open. cachefs is measured twice: with
+the default revalidation, and with ``--revalidate never``, where the kernel also keeps
+attributes and entries.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from bench.remote import EmulatedRemote
 from bench.settings import RunSettings
 
 COLD_PASSES = 2
-# The default, and the setting for a dataset that never changes: the kernel then keeps
-# file pages and attributes between opens, so a page-cache hit never reaches the daemon.
+# The default, and the setting for a dataset that never changes: the kernel then also keeps
+# attributes and entries for a day, so an open needs fewer round trips to the daemon.
 CACHEFS_SETTINGS = {"cachefs": (), "cachefs-immutable": ("--revalidate", "never")}
 
 

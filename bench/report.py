@@ -204,8 +204,9 @@ def markdown(results: dict, png_name: str | None) -> str:
                     *(f"| {_fps_label(args)} | {fps[name]['cold']:,} "
                       f"({fps[name]['cold_passes']}) | {fps[name]['page_cache']:,} |"
                       for name, args in CACHEFS_SETTINGS.items() if name in fps),
-                    "", "With `--revalidate never` (a dataset that never changes) the kernel "
-                    "keeps file pages and attributes across opens.", "",
+                    "", "The kernel keeps a file's pages across opens while the file is unchanged; "
+                    "with `--revalidate never` (a dataset that never changes) it also keeps "
+                    "attributes and entries, and cachefs never asks the remote.", "",
                     f"cachefs hit ratio during the measured passes: "
                     f"{_ratio(fps['cachefs']['hit_ratio'])}, remote bytes "
                     f"{_mib(fps['cachefs']['remote_bytes'])} MiB."]

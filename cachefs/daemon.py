@@ -140,7 +140,7 @@ class Daemon:
         timeout = (IMMUTABLE_KERNEL_TIMEOUT_SECONDS if s.revalidate_seconds is None
                    else min(MUTABLE_KERNEL_TIMEOUT_SECONDS, s.revalidate_seconds))
         operations = CachefsOperations(
-            self.tree, keep_kernel_cache=s.revalidate_seconds is None,
+            self.tree, immutable=s.revalidate_seconds is None,
             on_mounted=self._on_mounted)
         options = dict(
             foreground=True, ro=True, raw_fi=True, default_permissions=True,

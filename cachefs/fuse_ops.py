@@ -19,6 +19,7 @@ from collections.abc import Callable
 from cachefs._fuse import FuseOSError, Operations
 from cachefs.attrcache import relpath_of
 from cachefs.errors import errno_for
+from cachefs.pagecache import KernelPages
 from cachefs.tree import CachedTree
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,11 @@ class CachefsOperations(Operations):
 
     use_ns = True
 
-    def __init__(self, tree: CachedTree, *, keep_kernel_cache: bool,
+    def __init__(self, tree: CachedTree, *, immutable: bool,
                  on_mounted: Callable[[], None]) -> None:
         self.tree = tree
-        self._keep_kernel_cache = keep_kernel_cache
+        # None: files never change (--revalidate never), so the kernel always keeps pages.
+        self._kernel_pages = None if immutable else KernelPages()
         self._on_mounted = on_mounted
         self._read_seconds = tree.metrics.read_seconds
 
@@ -75,10 +77,15 @@ class CachefsOperations(Operations):
     def open(self, path: str, fi) -> int:
         if fi.flags & 0o3 != 0:  # O_WRONLY or O_RDWR
             raise FuseOSError(errno.EROFS)
-        fi.fh = self.tree.open(relpath_of(path))
-        # Without --revalidate never, the kernel drops its page cache at each open,
-        # so a reader never sees pages older than the revalidation interval.
-        fi.keep_cache = self._keep_kernel_cache
+        handle = self.tree.open(relpath_of(path))
+        fi.fh = handle
+        if self._kernel_pages is None:
+            fi.keep_cache = True
+        else:
+            # Pages are kept only while the file's version is the one they were read at,
+            # so a reader never sees pages older than the revalidation interval.
+            f = self.tree.handle(handle)
+            fi.keep_cache = self._kernel_pages.opened(f.relpath, f.attr.version)
         return 0
 
     @_errno_boundary
@@ -90,7 +97,9 @@ class CachefsOperations(Operations):
 
     @_errno_boundary
     def release(self, path: str, fi) -> int:
-        self.tree.release(fi.fh)
+        f = self.tree.release(fi.fh)
+        if f is not None and self._kernel_pages is not None:
+            self._kernel_pages.released(f.relpath)
         return 0
 
     @_errno_boundary

@@ -203,10 +203,12 @@ class CachedTree:
         self._read_bytes[source].inc(attr.size)
         return found
 
-    def release(self, handle: int) -> None:
+    def release(self, handle: int) -> OpenFile | None:
+        """Close a handle; the open file it was, if it was open."""
         f = self._handles.pop(handle, None)
         if f is not None and f.remote_file is not None:
             f.remote_file.close()
+        return f
 
     def handle(self, handle: int) -> OpenFile:
         return self._handles[handle]

@@ -172,8 +172,13 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-def shuffled_read_all(root: Path, paths: list[str], seed: int) -> dict[str, bytes]:
-    """Read every file once in a shuffled order, as an epoch of training does."""
+def shuffled_read_all(root: Path, paths: list[str], seed: int, *,
+                      drop_pages: bool = False) -> dict[str, bytes]:
+    """Read every file once in a shuffled order, as an epoch of training does.
+
+    ``drop_pages`` drops each file's pages from the kernel's cache after reading it, as memory
+    pressure would, so that the next read of an unchanged file reaches the daemon again.
+    """
     import random
 
     order = list(paths)
@@ -182,6 +187,8 @@ def shuffled_read_all(root: Path, paths: list[str], seed: int) -> dict[str, byte
     for rel in order:
         with open(root / rel, "rb") as f:
             contents[rel] = f.read()
+            if drop_pages:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return contents
 
 

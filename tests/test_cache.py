@@ -104,6 +104,35 @@ def test_changed_remote_file_is_not_served_stale(source, remote, mount_cachefs):
     assert (mount.path / "label.txt").read_bytes() == b"version 3!, longer\n\n"
 
 
+def test_unchanged_file_is_read_again_from_the_kernel_page_cache(source, remote, mount_cachefs):
+    data = os.urandom(100_000)
+    (source / "image.jpg").write_bytes(data)
+    mount = mount_cachefs(remote.path, revalidate=1)
+    assert (mount.path / "image.jpg").read_bytes() == data
+    time.sleep(2.2)  # past the interval: the next open asks the remote, which has not changed
+    assert (mount.path / "image.jpg").read_bytes() == data
+    # The second open was answered (a hit), its bytes came from the kernel's pages.
+    assert mount.metric("cachefs_file_opens_total", result="hit") == 1
+    assert mount.metric("cachefs_read_bytes_total", source="cache") == 0
+    assert mount.metric("cachefs_read_bytes_total", source="remote") == len(data)
+
+
+def test_pages_an_old_handle_reads_after_a_change_are_not_kept(source, remote, mount_cachefs):
+    (source / "label.txt").write_bytes(b"version one\n")
+    mount = mount_cachefs(remote.path, revalidate=1)
+    path = mount.path / "label.txt"
+    with open(path, "rb", buffering=0) as old:
+        assert old.read() == b"version one\n"
+        (source / "label.txt").write_bytes(b"version two\n")  # same size, new mtime
+        time.sleep(2.2)
+        with open(path, "rb", buffering=0):
+            # This open dropped the kernel's pages; the old handle, still open, reads its
+            # own version into them again.
+            assert os.pread(old.fileno(), 100, 0) == b"version one\n"
+    # Once no handle of the old version is open, an open must not keep those pages.
+    assert path.read_bytes() == b"version two\n"
+
+
 def test_revalidate_never_trusts_the_cache(source, remote, mount_cachefs):
     (source / "frozen.bin").write_bytes(b"immutable dataset\n")
     mount = mount_cachefs(remote.path, revalidate="never")
@@ -120,7 +149,7 @@ def test_revalidate_never_trusts_the_cache(source, remote, mount_cachefs):
 def test_metrics_and_status_report_what_happened(source, remote, mount_cachefs):
     rels = make_files(source, 100, size=1000)
     mount = mount_cachefs(remote.path, fraction=1.0, cache_size="64MiB")
-    shuffled_read_all(mount.path, rels, seed=1)
+    shuffled_read_all(mount.path, rels, seed=1, drop_pages=True)
     shuffled_read_all(mount.path, rels, seed=2)
 
     m = mount.metrics()

@@ -225,7 +225,7 @@ class _RaisingTree:
     (KeyError("a bug"), errno.EIO),
 ])
 def test_adapter_maps_exceptions_to_errnos(exc, code):
-    ops = CachefsOperations(_RaisingTree(exc), keep_kernel_cache=False, on_mounted=lambda: None)
+    ops = CachefsOperations(_RaisingTree(exc), immutable=False, on_mounted=lambda: None)
     with pytest.raises(FuseOSError) as info:
         ops.getattr("/x")
     assert info.value.errno == code
