@@ -31,6 +31,7 @@ from bench.counters import Snapshot, delta
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 SNAPSHOT = "snapshot"
+READY = "ready"
 
 
 @dataclass
@@ -49,6 +50,8 @@ class LoopConfig:
     seed: int = 0
     drop_caches: bool = True
     persistent_workers: bool = True
+    # Wait for the parent's word before each epoch, so that two loops can take turns.
+    gated: bool = False
     # How DataLoader workers start. A child made with "spawn" inherits "spawn" as its default,
     # and spawned workers each import torch again (seconds per worker on a small machine):
     # the parent passes the platform's own default, which a training script would get.
@@ -169,12 +172,15 @@ def _loader(config: LoopConfig):
 
 
 def run_loop(config: LoopConfig, snapshot: Callable[[], Snapshot],
-             report: Callable[[EpochResult], None]) -> None:
-    """Run the epochs; ``report`` gets each epoch's figures as soon as it ends."""
+             report: Callable[[EpochResult], None],
+             gate: Callable[[], None] = lambda: None) -> None:
+    """Run the epochs; ``report`` gets each epoch's figures as soon as it ends, ``gate`` is
+    called before each one starts."""
     loader = _loader(config)
     step = config.step_ms / 1000.0
     for epoch in range(1, config.epochs + config.unpaced_epochs + 1):
         paced = epoch <= config.epochs
+        gate()
         if config.drop_caches:
             drop_page_cache()
         before = snapshot()
@@ -224,8 +230,13 @@ def _child(config: LoopConfig, conn) -> None:
         conn.send((SNAPSHOT,))
         return conn.recv()
 
+    def gate() -> None:
+        conn.send((READY,))
+        conn.recv()  # the parent's go
+
     try:
-        run_loop(config, snapshot, lambda result: conn.send(("epoch", asdict(result))))
+        run_loop(config, snapshot, lambda result: conn.send(("epoch", asdict(result))),
+                 gate if config.gated else lambda: None)
         conn.send(("done",))
     except (KeyboardInterrupt, BrokenPipeError, EOFError):
         pass  # the parent is stopping the run (Ctrl-C, SIGTERM) and cleans up
@@ -242,49 +253,82 @@ class LoopFailed(RuntimeError):
     """The training loop of a variant failed or hung; the message has the child's traceback."""
 
 
+class ChildLoop:
+    """:func:`run_loop` in a fresh process, answering its snapshot requests; a context manager
+    that stops the process however the block ends."""
+
+    def __init__(self, config: LoopConfig, snapshot: Callable[[], Snapshot],
+                 timeout_s: float) -> None:
+        self._snapshot = snapshot
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        # spawn: a clean interpreter, nothing inherited from the parent's threads or mounts.
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_end = context.Pipe()
+        self._process = context.Process(target=_child, args=(config, child_end), daemon=False)
+        self._process.start()
+        child_end.close()
+
+    def __enter__(self) -> ChildLoop:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def next_message(self) -> tuple:
+        """The loop's next epoch, "ready" or "done" message; LoopFailed if it fails or hangs."""
+        while True:
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                raise LoopFailed(f"the training loop did not finish within "
+                                 f"{self._timeout_s:.0f} s")
+            if not self._conn.poll(min(remaining, 1.0)):
+                if not self._process.is_alive() and not self._conn.poll(0):
+                    raise LoopFailed(f"the training loop died (exit code "
+                                     f"{self._process.exitcode})")
+                continue
+            try:
+                message = self._conn.recv()
+            except EOFError:
+                raise LoopFailed("the training loop died without a word "
+                                 f"(exit code {self._process.exitcode})") from None
+            if message[0] == SNAPSHOT:
+                self._conn.send(self._snapshot())
+            elif message[0] == "error":
+                raise LoopFailed(message[1])
+            else:
+                return message
+
+    def run_epoch(self) -> dict:
+        """Let a gated loop run its next epoch; that epoch's figures."""
+        for expected, reply in ((READY, ("go",)), ("epoch", None)):
+            message = self.next_message()
+            if message[0] != expected:
+                raise LoopFailed(f"the training loop said {message[0]!r}, not {expected!r}")
+            if reply is not None:
+                self._conn.send(reply)
+        return message[1]
+
+    def close(self) -> None:
+        self._conn.close()
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+
 def run_in_child(config: LoopConfig, snapshot: Callable[[], Snapshot],
                  on_epoch: Callable[[dict], None], timeout_s: float) -> list[dict]:
     """Run :func:`run_loop` in a fresh process; serve its snapshot requests; return the epochs."""
-    # spawn: a clean interpreter, nothing inherited from the parent's threads or mounts.
-    context = multiprocessing.get_context("spawn")
-    parent_end, child_end = context.Pipe()
-    process = context.Process(target=_child, args=(config, child_end), daemon=False)
     epochs: list[dict] = []
-    process.start()
-    child_end.close()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise LoopFailed(f"the training loop did not finish within {timeout_s:.0f} s")
-            if not parent_end.poll(min(remaining, 1.0)):
-                if not process.is_alive() and not parent_end.poll(0):
-                    raise LoopFailed(f"the training loop died (exit code {process.exitcode})")
-                continue
-            try:
-                message = parent_end.recv()
-            except EOFError:
-                raise LoopFailed("the training loop died without a word "
-                                 f"(exit code {process.exitcode})") from None
-            if message[0] == SNAPSHOT:
-                parent_end.send(snapshot())
-            elif message[0] == "epoch":
-                epochs.append(message[1])
-                on_epoch(message[1])
-            elif message[0] == "done":
-                return epochs
-            else:
-                raise LoopFailed(message[1])
-    finally:
-        parent_end.close()
-        process.join(timeout=10)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-            process.join()
+    with ChildLoop(config, snapshot, timeout_s) as loop:
+        while (message := loop.next_message())[0] == "epoch":
+            epochs.append(message[1])
+            on_epoch(message[1])
+    return epochs
 
 
 # -- standalone --------------------------------------------------------------------------------

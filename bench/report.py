@@ -188,6 +188,7 @@ def markdown(results: dict, png_name: str | None) -> str:
         out += ["", "Failures:", ""]
         out += [f"* `{v['variant']}`: {v['error']}" for v in failed]
 
+    out += _alternating_section(results.get("alternating"))
     fps = results.get("files_per_second")
     if fps:
         out += ["", "## Files/s on a warm cache", ""]
@@ -213,6 +214,24 @@ def markdown(results: dict, png_name: str | None) -> str:
     if png_name:
         out += ["", f"![samples/s and stall per epoch]({png_name})"]
     return "\n".join(out) + "\n"
+
+
+def _alternating_section(turns: dict | None) -> list[str]:
+    if not turns:
+        return []
+    out = ["", "## cachefs f = 1 with hints and the local copy, in turns", ""]
+    if turns.get("error"):
+        return out + [f"Failed: {turns['error']}"]
+    return out + [
+        "Both loaders started once, then one unpaced epoch each in turns (the order swapped "
+        "every round; a first round started the workers and is not counted), so that each "
+        "pair is measured within seconds. The share-of-local target is judged on the median "
+        f"share: {turns['share']:.0%}.", "",
+        "| round | local, samples/s | cachefs f = 1 hints, samples/s | share | hit ratio | "
+        "remote MiB |", "|---|---|---|---|---|---|",
+        *(f"| {number} | {r['local']:,.0f} | {r['cachefs']:,.0f} | {r['share']:.0%} | "
+          f"{_ratio(r['hit_ratio'])} | {_mib(r['remote_bytes'])} |"
+          for number, r in enumerate(turns["rounds"], 1))]
 
 
 def _fps_label(args: tuple[str, ...]) -> str:

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import alternating, filerate, machine, report, slowfs, targets
 from bench import dataset as dataset_mod
-from bench import filerate, machine, report, slowfs, targets
 from bench.measure import measure_variant
 from bench.remote import EmulatedRemote
 from bench.settings import RunSettings, build_parser, settings_from_args
@@ -112,7 +112,7 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
                      "source": source,
                      "dataset": {"name": data.spec.name(), "examples": len(data.examples),
                                  "files": len(data.files), "bytes": data.total_bytes},
-                     "variants": [], "files_per_second": None}
+                     "variants": [], "alternating": None, "files_per_second": None}
     log(f"dataset {data.spec.name()}: {len(data.examples)} examples, "
         f"{data.total_bytes / 2**20:.0f} MiB; pace {settings.pace:.0f} samples/s "
         f"(batch {settings.batch} every {settings.step_ms:.1f} ms), remote profile "
@@ -125,6 +125,11 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
                 log(f"{variant.name}:")
                 results["variants"].append(
                     measure_variant(variant, data, remote, settings, run_dir, log))
+            if settings.share_rounds and data.spec.kind == dataset_mod.KIND_IMAGES:
+                log(f"cachefs-f1-hints and local, {settings.share_rounds} unpaced epochs each "
+                    "in turns:")
+                results["alternating"] = alternating.measure(data, remote, settings, run_dir,
+                                                             log)
             if fps_data is not None:
                 log(f"files/s of {settings.fps_files} files of 64 KiB, warm cache, "
                     f"{settings.fps_threads} threads:")

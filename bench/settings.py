@@ -31,6 +31,7 @@ class RunSettings:
     pace: float  # samples/s the simulated accelerator consumes; the step is batch / pace
     profile: str
     fps_files: int  # 64 KiB files for the files/s measurement; 0 skips it
+    share_rounds: int  # epochs each of f = 1 with hints and the local copy, in turns; 0 skips
     out_dir: Path
     work_dir: Path = BENCH_DIR / "work"
     dataset_kind: str = KIND_IMAGES
@@ -69,15 +70,15 @@ class RunSettings:
 PRESETS = {
     # About 10-15 minutes on 2 cores: enough files that an epoch lasts seconds at the pace.
     "full": dict(examples=3000, epochs=3, unpaced_epochs=2, workers=8, batch=V100_BATCH,
-                 pace=V100_PACE, profile="efs", fps_files=3000,
+                 pace=V100_PACE, profile="efs", fps_files=3000, share_rounds=10,
                  out_dir=BENCH_DIR / "results"),
     # The CI smoke run: every variant, two epochs (the second is the steady state), small.
     "quick": dict(examples=320, epochs=2, unpaced_epochs=0, workers=4, batch=32,
-                  pace=V100_PACE, profile="efs", fps_files=200,
+                  pace=V100_PACE, profile="efs", fps_files=200, share_rounds=1,
                   out_dir=BENCH_DIR / "results" / "quick"),
     # The README's first command: about a minute, two variants.
     "demo": dict(examples=1500, epochs=3, unpaced_epochs=0, workers=8, batch=64,
-                 pace=V100_PACE, profile="efs", fps_files=0,
+                 pace=V100_PACE, profile="efs", fps_files=0, share_rounds=0,
                  out_dir=BENCH_DIR / "results" / "demo", variant_names="direct,cachefs-f0.2-hints"),
 }
 
@@ -141,6 +142,9 @@ def build_parser(prog: str, description: str, *, quick_flag: bool) -> argparse.A
     p.add_argument("--fractions", help="cachefs fractions to measure, e.g. 0,0.2,0.5,1")
     p.add_argument("--fps-files", type=_count, help="64 KiB files for the warm-cache files/s "
                    "measurement (0 skips it)")
+    p.add_argument("--share-rounds", type=_count, help="unpaced epochs each of cachefs at "
+                   "f = 1 with hints and of the local copy, taken in turns, for the "
+                   "share-of-local target (0 skips it)")
     p.add_argument("--seed", type=_count, help="seed of the dataset and of the shuffling")
     p.add_argument("--out", type=Path, help="directory for the results")
     p.add_argument("--work-dir", type=Path, help="where datasets are generated and kept "
@@ -157,8 +161,8 @@ def settings_from_args(parser: argparse.ArgumentParser, argv: list[str] | None,
     simple = {"examples": "examples", "mean_kib": "mean_kib", "dataset": "dataset_kind",
               "shards": "shards", "epochs": "epochs", "unpaced_epochs": "unpaced_epochs",
               "workers": "workers", "batch": "batch", "pace": "pace", "profile": "profile",
-              "fps_files": "fps_files", "seed": "seed", "out": "out_dir",
-              "work_dir": "work_dir", "variants": "variant_names"}
+              "fps_files": "fps_files", "share_rounds": "share_rounds", "seed": "seed",
+              "out": "out_dir", "work_dir": "work_dir", "variants": "variant_names"}
     for flag, attribute in simple.items():
         value = getattr(args, flag)
         if value is not None:

@@ -30,13 +30,13 @@ def _epoch(result: dict, name: str, number: int) -> dict:
     return next(e for e in variant["epochs"] if e["epoch"] == number)
 
 
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(230)
 def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     out = tmp_path / "results"
     run = subprocess.run(
         [sys.executable, "-m", "bench.run", "--quick", "--fractions", "0,1", "--fps-files", "100",
          "--variants", ",".join(VARIANTS), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=160)
+        cwd=REPO, capture_output=True, text=True, timeout=220)
     assert run.returncode == 0, run.stderr[-3000:]
     for name in ("latest.md", "latest.json", "latest.png"):
         assert (out / name).stat().st_size > 0
@@ -75,4 +75,9 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     assert "## Targets" in table and result["machine"]["cpu"] in table
     # Each speed target is judged against a baseline of the same run.
     assert "| samples/s >= 60% of local | cachefs-f1-hints | " in table
+    # ... on epochs of both taken in turns, with every open a hit.
+    turns = result["alternating"]
+    assert turns["error"] is None and len(turns["rounds"]) == 1
+    assert turns["rounds"][0]["hit_ratio"] == 1.0 and turns["rounds"][0]["remote_bytes"] == 0
+    assert "(median of 1 pair of epochs in turns" in table
     assert result["files_per_second"]["error"] is None

@@ -1,0 +1,83 @@
+"""cachefs at f = 1 with hints against the local copy, one epoch each in turns.
+
+The share-of-local target compares two loaders' speeds. Taken from the variants' own runs,
+which are minutes apart, it moved with the machine rather than with the code: on this 2-core
+machine the local copy alone ran anywhere from 6,100 to 9,700 samples/s from one run to the
+next, and the same cachefs code showed 43 % to 78 % of it. Here both loaders are started once,
+with persistent workers, and then take turns, one unpaced epoch each (the order swapped every
+round), so that each pair of epochs is measured within seconds of each other. The share is the
+median of the pairs' ratios. The first round only starts the workers and is not counted.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import counters
+from bench.dataset import Dataset
+from bench.driver import ChildLoop, LoopConfig, LoopFailed
+from bench.filerate import read_pass
+from bench.measure import cache_budget, remote_path
+from bench.mounts import CachefsMount, MountError
+from bench.remote import EmulatedRemote
+from bench.settings import RunSettings
+
+FILL_THREADS = 16
+
+
+def _config(root: Path, dataset: Dataset, settings: RunSettings, *, hints: bool) -> LoopConfig:
+    return LoopConfig(
+        root=str(root), examples=[(e.path, e.offset, e.length) for e in dataset.examples],
+        whole_files=True, epochs=0, unpaced_epochs=settings.share_rounds + 1,
+        batch_size=settings.batch, num_workers=settings.workers, step_ms=settings.step_ms,
+        hints=hints, seed=settings.seed, gated=True)
+
+
+def measure(dataset: Dataset, remote: EmulatedRemote, settings: RunSettings, run_dir: Path,
+            log: Callable[[str], None]) -> dict:
+    result: dict = {"rounds": [], "share": None, "error": None}
+    work = run_dir / "alternating"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        with CachefsMount(remote_path(remote, dataset), work / "mnt", work / "cache",
+                          cache_size_bytes=cache_budget(1.0, dataset), fraction=1.0,
+                          log_file=settings.out_dir / "logs" / "alternating.log") as mount:
+            # One pass fills the cache: from then on every open is a hit.
+            read_pass([str(mount.path / name) for name in dataset.files], FILL_THREADS,
+                      drop=False, seed=0)
+
+            def ours_snapshot() -> counters.Snapshot:
+                return counters.cachefs_snapshot(mount.metrics_text())
+
+            timeout = settings.variant_timeout_s
+            with ChildLoop(_config(dataset.root, dataset, settings, hints=False), dict,
+                           timeout) as local, \
+                    ChildLoop(_config(mount.path, dataset, settings, hints=True),
+                              ours_snapshot, timeout) as ours:
+                for number in range(settings.share_rounds + 1):
+                    turns = (local, ours) if number % 2 == 0 else (ours, local)
+                    epochs = {loop: loop.run_epoch() for loop in turns}
+                    if number == 0:
+                        continue  # the workers started during this round
+                    result["rounds"].append(_round(epochs[local], epochs[ours]))
+                    log(f"  round {number}: local {result['rounds'][-1]['local']:.0f}, "
+                        f"cachefs f=1 hints {result['rounds'][-1]['cachefs']:.0f} samples/s")
+        result["share"] = statistics.median(r["share"] for r in result["rounds"])
+    except (LoopFailed, MountError, OSError, RuntimeError) as exc:
+        result["error"] = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        log(f"  in turns: FAILED: {result['error']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _round(local: dict, ours: dict) -> dict:
+    seen = ours["counters"]
+    opens = counters.cachefs_opens(seen)
+    return {"local": local["samples_per_second"], "cachefs": ours["samples_per_second"],
+            "share": ours["samples_per_second"] / local["samples_per_second"],
+            "hit_ratio": seen["cachefs_hit_opens"] / opens if opens else None,
+            "remote_bytes": seen["cachefs_remote_bytes"]}
