@@ -11,6 +11,7 @@ import random
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,35 @@ def test_hung_remote_fails_uncached_reads_after_the_timeout_and_recovers(source,
              what="cachefs_remote_available back to 1")
     assert shuffled_read_all(mount.path, rels, seed=2) == want
     assert mount.status()["remote_available"] is True
+
+
+def test_many_readers_stuck_on_a_hung_remote_do_not_hold_up_cached_reads(source, remote,
+                                                                         mount_cachefs):
+    rels = make_files(source, 34, size=1000)
+    cached, uncached = rels[:4], rels[4:]
+    # A long timeout: the stuck readers must still be stuck when the cached reads are done.
+    mount = mount_cachefs(remote.path, remote_timeout=10)
+    want = {r: (source / r).read_bytes() for r in cached}
+    shuffled_read_all(mount.path, cached, seed=1)
+    # Attributes known, bytes not: the readers get stuck reading, not looking up (the kernel
+    # lets one lookup at a time into a directory of a FUSE mount).
+    for rel in uncached:
+        (mount.path / rel).stat()
+
+    remote.set_fault("hang")
+    try:
+        with ThreadPoolExecutor(len(uncached)) as pool:
+            # Far more requests waiting on the remote than the mount has threads to start with.
+            stuck = [pool.submit(read_bounded, mount.path / rel, 30) for rel in uncached]
+            wait_for(lambda: remote.stats()["hung_now"] >= len(uncached) // 2,
+                     what="readers waiting on the hung remote")
+            assert {rel: read_bounded(mount.path / rel) for rel in cached} == want
+            assert not any(f.done() for f in stuck)
+    finally:
+        remote.clear_faults()
+    for rel, reader in zip(uncached, stuck, strict=True):
+        got = reader.result()  # the remote came back before the timeout, or it did not
+        assert got == (source / rel).read_bytes() or getattr(got, "errno", None) == errno.EIO
 
 
 # -- the remote changes ---------------------------------------------------------------------------
