@@ -42,14 +42,14 @@ STAGING_BYTES = 32 * 2**20
 # reached, which varies a little from run to run.
 FD_SLACK = 8
 THREAD_SLACK = 16
-# The index (SQLite) gives each thread its own connection.  When a thread ends, SQLite keeps the
+# The index (SQLite) gives each thread its own connection. When a thread ends, SQLite keeps the
 # descriptor open for a later connection to reuse (closing it would drop POSIX locks that other
-# connections hold), so index descriptors grow with the peak number of threads alive at once
-# (FUSE workers come and go by thousands), not with the work done: measured over six 20 s
-# phases of this load, 433, 431, 504, 500 (and 300-700 at the end of this test, depending on
-# how busy the machine was).  The measured phase does LOAD_SECONDS / WARMUP_SECONDS = 3.5 times
-# the warm-up's work, so a leak per request or per thread would end it near 4.5 times the
-# warm-up's count; the retained descriptors of a pool stay well under INDEX_FD_GROWTH times it.
+# connections hold), so index descriptors grow with the peak number of threads alive at once (pools
+# of FUSE and remote workers grow and shrink with the load), not with the work done: measured over
+# six 20 s phases of this load, 433, 431, 504, 500 (and 300-700 at the end of this test, depending
+# on how busy the machine was). The measured phase does LOAD_SECONDS / WARMUP_SECONDS = 3.5 times
+# the warm-up's work, so a leak per request or per thread would end it near 4.5 times the warm-up's
+# count; the retained descriptors of a pool stay well under INDEX_FD_GROWTH times it.
 INDEX_FD_GROWTH = 3
 # What the interpreter, its libraries and the metrics server take before any data.
 BASE_ALLOWANCE_BYTES = 96 * 2**20
