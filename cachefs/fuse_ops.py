@@ -85,7 +85,7 @@ class CachefsOperations(Operations):
             # Pages are kept only while the file's version is the one they were read at,
             # so a reader never sees pages older than the revalidation interval.
             f = self.tree.handle(handle)
-            fi.keep_cache = self._kernel_pages.opened(f.relpath, f.attr.version)
+            fi.keep_cache = self._kernel_pages.opened(f.relpath, f.attr)
         return 0
 
     @_errno_boundary

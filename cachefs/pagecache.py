@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 
-from cachefs.attr import Version
+from cachefs.attr import Attr
 
 DEFAULT_MAX_ENTRIES = 1_000_000
 
@@ -29,21 +29,25 @@ class KernelPages:
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self._max_entries = max_entries
         self._lock = threading.Lock()
-        self._versions: dict[str, Version] = {}  # insertion order is age order
+        # The attributes of each file's last open: the object the attribute cache holds too,
+        # so remembering it costs a dictionary entry.  Insertion order is age order.
+        self._versions: dict[str, Attr] = {}
         self._open_handles: dict[str, int] = {}
         # Files whose pages may be of an older version than their last open's: a handle of
         # that version was still open, and may have read after the drop.
         self._mixed: set[str] = set()
 
-    def opened(self, relpath: str, version: Version) -> bool:
-        """Record an open of ``relpath`` at ``version``; whether the kernel may keep its pages."""
+    def opened(self, relpath: str, attr: Attr) -> bool:
+        """Record an open of ``relpath`` at ``attr``'s version; whether the kernel may keep
+        its pages."""
         with self._lock:
             last = self._versions.pop(relpath, None)
-            self._versions[relpath] = version
+            self._versions[relpath] = attr
             still_open = self._open_handles.get(relpath, 0)
             self._open_handles[relpath] = still_open + 1
-            keep = last == version and relpath not in self._mixed
-            if last is not None and last != version and still_open:
+            changed = last is not None and last.version != attr.version
+            keep = last is not None and not changed and relpath not in self._mixed
+            if changed and still_open:
                 self._mixed.add(relpath)
             elif not still_open:
                 # This open drops the pages (or keeps ones no other version can have filled).
