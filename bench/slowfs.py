@@ -233,6 +233,18 @@ class Emulator:
         self._ops: Counter[str] = Counter()
         self._read_bytes = 0
         self._opens = 0
+        # Requests being served now, and the most at once: how parallel the client is.
+        self._in_flight = 0
+        self._peak_in_flight = 0
+
+    def entered(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+            self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+
+    def left(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
 
     def begin(self, op: str, path: str | None, latency_ms: float = 0.0) -> None:
         """Account for op on path, apply matching faults, then pay its latency."""
@@ -259,7 +271,7 @@ class Emulator:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             counters = {"ops": dict(self._ops), "read_bytes": self._read_bytes,
-                        "opens": self._opens}
+                        "opens": self._opens, "peak_in_flight": self._peak_in_flight}
         return {
             **counters,
             "errors_injected": self.faults.errors_injected,
@@ -293,10 +305,12 @@ class Emulator:
 
 
 def _errno_guard(method):
-    """Keep real errnos; turn anything unexpected into a logged EIO (mfusepy would say EINVAL)."""
+    """Keep real errnos; turn anything unexpected into a logged EIO (mfusepy would say EINVAL).
+    Also counts the request in flight while it is served."""
 
     @functools.wraps(method)
     def guarded(self, *args):
+        self.emu.entered()
         try:
             return method(self, *args)
         except OSError as e:
@@ -307,6 +321,8 @@ def _errno_guard(method):
         except Exception as e:
             log.exception("%s%r failed unexpectedly, returning EIO", method.__name__, args)
             raise FuseOSError(errno.EIO) from e
+        finally:
+            self.emu.left()
 
     return guarded
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
+from cachefs import remotewait
 from cachefs.attr import Attr, Version
 from cachefs.errors import CacheCorrupt, RemoteChanged, RemoteUnavailable
 from cachefs.remote import Remote
@@ -84,7 +85,8 @@ class Fetcher:
     def _wait(self, future: concurrent.futures.Future) -> bytes:
         # The owner gives up after one remote timeout; allow it that and a little more.
         try:
-            return future.result(self._remote.timeout_seconds + 1.0)
+            with remotewait.waiting():
+                return future.result(self._remote.timeout_seconds + 1.0)
         except concurrent.futures.TimeoutError:
             raise RemoteUnavailable("a fetch of this chunk by another reader did not finish") \
                 from None

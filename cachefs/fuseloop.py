@@ -3,15 +3,23 @@
 libfuse's own multi-threaded loop runs every callback on a thread Python has never seen, so
 each callback builds and destroys a Python thread state (with an mmap and munmap of its frame
 stack), and it starts another thread whenever all are busy, which in a daemon bound by the GIL
-means many threads handing the GIL to one another.  Here a small set of Python threads take
-requests from the kernel themselves and process each one holding the GIL, with the thread
-state they already have; the GIL is given up while a thread waits for the kernel and wherever
-a callback gives it up (remote I/O).  Measured with 8 readers of 64 KiB files from a warm
+means many threads handing the GIL to one another.  Here a few Python threads take requests
+from the kernel themselves and process each one holding the GIL, with the thread state they
+already have; the GIL is given up while a thread waits for the kernel and wherever a callback
+gives it up (remote and disk I/O).  Measured with 8 readers of 64 KiB files from a warm
 cache: 1.5 to 2 times the files/s of libfuse's loop.
 
-The threads double whenever every one has been busy with one request for STUCK_SECONDS, so
-that a remote that hangs never starves the reads of cached files; the extra threads leave
-once there is an idle one.  Used with libfuse 2 only (cachefs/_fuse.py decides).
+Few threads, because each one more wakes up to find the GIL taken: with 8 readers of cached
+files on 2 cores, 2 threads used a fifth less CPU per file than 8, page cache warm or cold.
+Threads are added where waiting, not Python, is what a request costs:
+
+- a thread that waits on the remote (cachefs/remotewait.py) is replaced at once, so that
+  misses are fetched in parallel and never hold up the reads of cached files;
+- when every thread has been busy with one request for STUCK_SECONDS (a wait nobody
+  marked, a hung cache disk), the threads double.
+
+The extra threads leave once another thread is idle.  Used with libfuse 2 only
+(cachefs/_fuse.py decides).
 """
 
 from __future__ import annotations
@@ -24,11 +32,12 @@ import signal
 import threading
 import time
 
+from cachefs import remotewait
 from cachefs.mountpoint import unmount
 
 log = logging.getLogger(__name__)
 
-BASE_THREADS = 8
+BASE_THREADS = 2
 MAX_THREADS = 128
 STUCK_SECONDS = 0.1
 # How long unmounting waits for requests still being served (a callback waiting on the
@@ -72,8 +81,15 @@ def _fn(library, name: str, restype, *argtypes):
 
 
 class _Loop:
-    """The threads serving one session.  Thread safety: ``_lock`` guards ``_threads`` and
-    ``_busy_since``."""
+    """The threads serving one session.
+
+    A thread is serving (taking requests from the kernel) or parked (waiting to be asked to
+    serve again): threads that are no longer needed park rather than end, so that the next
+    wait on the remote costs a wake-up, not a new thread.
+
+    Thread safety: ``_lock`` guards ``_threads``, ``_busy_since``, ``_waiting`` and
+    ``_parked``.
+    """
 
     def __init__(self, fuse: _Libfuse, session: int, threads: int) -> None:
         self._fuse = fuse
@@ -82,39 +98,60 @@ class _Loop:
         self._bufsize = fuse.chan_bufsize(self._chan)
         self._base = threads
         self._lock = threading.Lock()
-        self._threads: dict[int, threading.Thread] = {}
+        self._threads: dict[int, threading.Thread] = {}  # every thread, parked ones too
         self._busy_since: dict[int, float] = {}  # thread ident -> when its request came
+        self._waiting = 0  # serving threads waiting on the remote
+        self._parked = 0
+        self._unpark = threading.Semaphore(0)
 
     def run(self) -> None:
         for _ in range(self._base):
-            self._start_thread()
+            self._add_thread()
         while not self._fuse.exited(self._session):
             time.sleep(STUCK_SECONDS / 2)
             self._add_if_stuck()
         self._drain()
 
-    def _start_thread(self) -> None:
-        thread = threading.Thread(target=self._serve, name="fuse", daemon=True)
+    def _add_thread(self) -> None:
+        """One more serving thread: a parked one if there is one, else a new one."""
         with self._lock:
+            if self._parked:
+                self._parked -= 1
+                self._unpark.release()
+                return
             if len(self._threads) >= MAX_THREADS:
                 return
+            thread = threading.Thread(target=self._serve, name="fuse", daemon=True)
             thread.start()
             self._threads[thread.ident] = thread
 
     def _add_if_stuck(self) -> None:
         now = time.monotonic()
         with self._lock:
-            stuck = (len(self._busy_since) == len(self._threads) and all(
+            serving = len(self._threads) - self._parked
+            stuck = (len(self._busy_since) == serving and all(
                 now - since >= STUCK_SECONDS for since in self._busy_since.values()))
         if stuck:
             # Double: the kernel hands out requests in order, so a read of a cached file may
             # queue behind many that would be stuck too.
-            for _ in range(len(self._threads)):
-                self._start_thread()
+            for _ in range(serving):
+                self._add_thread()
+
+    def _begin_remote_wait(self) -> None:
+        with self._lock:
+            self._waiting += 1
+            short = len(self._threads) - self._parked - self._waiting < self._base
+        if short:
+            self._add_thread()
+
+    def _end_remote_wait(self) -> None:
+        with self._lock:
+            self._waiting -= 1
 
     def _serve(self) -> None:
         fuse, session = self._fuse, self._session
         me = threading.get_ident()
+        remotewait.set_hooks(self._begin_remote_wait, self._end_remote_wait)
         memory = ctypes.create_string_buffer(self._bufsize)
         buf, chan = _FuseBuf(), _c_void_p()
         try:
@@ -134,26 +171,33 @@ class _Loop:
                 fuse.process(session, ctypes.byref(buf), chan)
                 with self._lock:
                     del self._busy_since[me]
-                    extra = len(self._threads) > self._base \
-                        and len(self._busy_since) < len(self._threads) - 1
+                    serving = len(self._threads) - self._parked
+                    # Not needed: more threads free of the remote than the base, and another
+                    # one idle to take the next request.
+                    extra = serving - self._waiting > self._base \
+                        and len(self._busy_since) < serving - 1
                     if extra:
-                        del self._threads[me]
-                        return
+                        self._parked += 1
+                if extra:
+                    self._unpark.acquire()
         finally:
             with self._lock:
                 self._busy_since.pop(me, None)
                 self._threads.pop(me, None)
 
     def _drain(self) -> None:
-        """Stop every thread before the session is freed: wake those waiting for the kernel
-        (libfuse's own SIGHUP handler only marks the session exited), let the busy ones
-        finish their request."""
+        """Stop every thread before the session is freed: wake the parked ones and those
+        waiting for the kernel (libfuse's own SIGHUP handler only marks the session exited),
+        let the busy ones finish their request."""
         deadline = time.monotonic() + DRAIN_SECONDS
         while time.monotonic() < deadline:
             with self._lock:
                 threads = [t for t in self._threads.values() if t.is_alive()]
+                parked, self._parked = self._parked, 0
             if not threads:
                 return
+            for _ in range(parked):  # they see the session exited, and end
+                self._unpark.release()
             for thread in threads:
                 if thread.ident not in self._busy_since:
                     try:

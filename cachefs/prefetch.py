@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from cachefs import remotewait
 from cachefs.attr import Attr, Version
 from cachefs.attrcache import AttrCache, relpath_key
 from cachefs.errors import CachefsError, NotInTree
@@ -166,10 +167,16 @@ class Prefetcher:
         # time.  (A large file is not waited for as a whole: its chunks are shared with
         # the reader one by one through the fetcher.)  If the prefetch fails or is slow,
         # the reader goes to the remote itself.
-        if active is not None and attr.size <= CHUNK_BYTES and active.done.wait(timeout) \
+        if active is not None and attr.size <= CHUNK_BYTES \
+                and self._wait_for_prefetch(active, timeout) \
                 and self._cached(relpath_key(relpath), attr):
             return Prefetched(into_cache=True)
         return self._take_staged(relpath, attr)
+
+    @staticmethod
+    def _wait_for_prefetch(active: _Active, timeout: float) -> bool:
+        with remotewait.waiting():
+            return active.done.wait(timeout)
 
     def _take_staged(self, relpath: str, attr: Attr) -> Prefetched:
         if relpath in self.staging:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from cachefs import remotewait
 from cachefs.attr import Attr, Version
 from cachefs.errors import RemoteChanged, RemoteUnavailable
 
@@ -85,7 +86,8 @@ class Remote:
             raise RemoteUnavailable("the daemon is shutting down")
         future = self._pool.submit(fn, *args)
         try:
-            result = future.result(self.timeout_seconds)
+            with remotewait.waiting():
+                result = future.result(self.timeout_seconds)
         except concurrent.futures.TimeoutError:
             future.cancel()
             self._on_error("timeout")

@@ -138,6 +138,22 @@ def test_many_readers_stuck_on_a_hung_remote_do_not_hold_up_cached_reads(source,
         assert got == (source / rel).read_bytes() or getattr(got, "errno", None) == errno.EIO
 
 
+def test_misses_of_many_readers_wait_on_the_remote_together(source, remote, mount_cachefs):
+    """The mount serves FUSE on few threads, but a thread waiting on the remote is replaced at
+    once: readers of files outside the cache wait out the remote's latency side by side, not
+    a few at a time.  (Each wait is shorter than the time after which busy threads double.)"""
+    readers = 16
+    rels = make_files(source, readers, size=1000)
+    mount = mount_cachefs(remote.path, fraction=0.0)
+    for rel in rels:  # the attributes known: the readers wait on the remote's open and read
+        (mount.path / rel).stat()
+    remote.configure(open_ms=40, read_ms=40)
+    with ThreadPoolExecutor(readers) as pool:
+        got = list(pool.map(lambda rel: (mount.path / rel).read_bytes(), rels))
+    assert got == [(source / rel).read_bytes() for rel in rels]
+    assert remote.stats()["peak_in_flight"] >= readers // 2
+
+
 # -- the remote changes ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fraction", [1.0, 0.0], ids=["cached", "uncached"])
