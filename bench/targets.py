@@ -195,19 +195,23 @@ def _pace_verdicts(results: dict) -> list[dict]:
 
 
 def _files_per_second_verdict(results: dict) -> list[dict]:
-    """Warm means what it means for the Python FUSE passthrough we started from (4,600 files/s
-    warm, 2,000 cold): the cache holds the files and the kernel their pages. The page-cache
-    dropped figure is reported beside it: there, the disk alone bounds every path."""
+    """Warm means what it meant for the Python FUSE passthrough we started from (4,600 files/s
+    warm, 2,000 cold): the files' pages are in memory, and every read is still a FUSE request
+    the daemon serves. The figures with the page cache dropped (the disk alone bounds every
+    path) and kept (the kernel answers reads without the daemon) are reported beside it."""
     fps = results.get("files_per_second")
     target = (f"warm-cache FUSE reads >= {MIN_FILES_PER_SECOND:,} files/s "
               "(64 KiB, default revalidation)")
     if not fps or fps.get("error") or "cachefs" not in fps:
         return [_verdict(target, None, "not measured", "cachefs-f1")]
     ours, local = fps["cachefs"], fps["local"]
-    rate = ours["page_cache"]
+    rate = ours.get("daemon")
+    if rate is None:  # results of a run before this figure was measured
+        return [_verdict(target, None, "not measured through the daemon", "cachefs-f1")]
     return [_verdict(target, rate >= MIN_FILES_PER_SECOND,
-                     f"{rate:,} files/s (local copy {local['page_cache']:,}); page cache "
-                     f"dropped: {ours['cold']:,} (local copy {local['cold']:,})", "cachefs-f1")]
+                     f"{rate:,} files/s through the daemon; page cache kept: "
+                     f"{ours['page_cache']:,} (local copy {local['page_cache']:,}); dropped: "
+                     f"{ours['cold']:,} (local copy {local['cold']:,})", "cachefs-f1")]
 
 
 def evaluate(results: dict) -> list[dict]:
