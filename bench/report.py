@@ -203,11 +203,13 @@ def markdown(results: dict, png_name: str | None) -> str:
                     f"{fps['threads']} threads in a shuffled order (no DataLoader), cachefs at "
                     "f = 1.0 after one pass filled its cache, no hints.", "",
                     "| path | files/s, page cache dropped (best of passes) | files/s through "
-                    "the daemon | files/s, page cache kept |", "|---|---|---|---|",
+                    "the daemon (best of passes) | files/s, page cache kept |",
+                    "|---|---|---|---|",
                     f"| local copy | {fps['local']['cold']:,} ({fps['local']['cold_passes']}) | "
                     f"— | {fps['local']['page_cache']:,} |",
                     *(f"| {_fps_label(args)} | {fps[name]['cold']:,} "
-                      f"({fps[name]['cold_passes']}) | {_count(fps[name].get('daemon'))} | "
+                      f"({fps[name]['cold_passes']}) | {_count(fps[name].get('daemon'))} "
+                      f"({fps[name].get('daemon_passes', '—')}) | "
                       f"{fps[name]['page_cache']:,} |"
                       for name, args in CACHEFS_SETTINGS.items() if name in fps),
                     "", "Through the daemon: the cache disk's pages kept, the mount's dropped, so "

@@ -10,7 +10,8 @@ gives it up (remote and disk I/O).  Measured with 8 readers of 64 KiB files from
 cache: 1.5 to 2 times the files/s of libfuse's loop.
 
 Few threads, because each one more wakes up to find the GIL taken: with 8 readers of cached
-files on 2 cores, 2 threads used a fifth less CPU per file than 8, page cache warm or cold.
+files on 2 cores, 2 threads used a fifth (page cache warm) to a third (cold) less CPU per
+file than 8.
 Threads are added where waiting, not Python, is what a request costs:
 
 - a thread that waits on the remote (cachefs/remotewait.py) is replaced at once, so that
@@ -18,8 +19,9 @@ Threads are added where waiting, not Python, is what a request costs:
 - when every thread has been busy with one request for STUCK_SECONDS (a wait nobody
   marked, a hung cache disk), the threads double.
 
-The extra threads leave once another thread is idle.  Used with libfuse 2 only
-(cachefs/_fuse.py decides).
+Threads no longer needed (another one is idle) park, to be woken by the next wait on the
+remote instead of starting a thread, and end after PARKED_SECONDS parked.  Used with libfuse 2
+only (cachefs/_fuse.py decides).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 BASE_THREADS = 2
 MAX_THREADS = 128
 STUCK_SECONDS = 0.1
+# A thread no longer needed waits this long to be needed again before it ends.
+PARKED_SECONDS = 60.0
 # How long unmounting waits for requests still being served (a callback waiting on the
 # remote ends within its timeout); after that the process exits with them.
 DRAIN_SECONDS = 10.0
@@ -178,12 +182,24 @@ class _Loop:
                         and len(self._busy_since) < serving - 1
                     if extra:
                         self._parked += 1
-                if extra:
-                    self._unpark.acquire()
+                if extra and not self._park():
+                    return
         finally:
             with self._lock:
                 self._busy_since.pop(me, None)
                 self._threads.pop(me, None)
+
+    def _park(self) -> bool:
+        """Wait to be asked to serve again: True when asked, False after PARKED_SECONDS
+        (the thread then ends: a burst of waits on the remote long past)."""
+        if self._unpark.acquire(timeout=PARKED_SECONDS):
+            return True
+        with self._lock:
+            # Asked just as the wait ran out: the one who asked counted on this thread.
+            if self._unpark.acquire(blocking=False):
+                return True
+            self._parked -= 1
+            return False
 
     def _drain(self) -> None:
         """Stop every thread before the session is freed: wake the parked ones and those
@@ -193,11 +209,11 @@ class _Loop:
         while time.monotonic() < deadline:
             with self._lock:
                 threads = [t for t in self._threads.values() if t.is_alive()]
-                parked, self._parked = self._parked, 0
+                for _ in range(self._parked):  # they see the session exited, and end
+                    self._unpark.release()
+                self._parked = 0
             if not threads:
                 return
-            for _ in range(parked):  # they see the session exited, and end
-                self._unpark.release()
             for thread in threads:
                 if thread.ident not in self._busy_since:
                     try:
