@@ -129,10 +129,13 @@ class _Loop:
             thread.start()
             self._threads[thread.ident] = thread
 
+    def _serving_locked(self) -> int:
+        return len(self._threads) - self._parked
+
     def _add_if_stuck(self) -> None:
         now = time.monotonic()
         with self._lock:
-            serving = len(self._threads) - self._parked
+            serving = self._serving_locked()
             stuck = (len(self._busy_since) == serving and all(
                 now - since >= STUCK_SECONDS for since in self._busy_since.values()))
         if stuck:
@@ -144,7 +147,7 @@ class _Loop:
     def _begin_remote_wait(self) -> None:
         with self._lock:
             self._waiting += 1
-            short = len(self._threads) - self._parked - self._waiting < self._base
+            short = self._serving_locked() - self._waiting < self._base
         if short:
             self._add_thread()
 
@@ -175,7 +178,7 @@ class _Loop:
                 fuse.process(session, ctypes.byref(buf), chan)
                 with self._lock:
                     del self._busy_since[me]
-                    serving = len(self._threads) - self._parked
+                    serving = self._serving_locked()
                     # Not needed: more threads free of the remote than the base, and another
                     # one idle to take the next request.
                     extra = serving - self._waiting > self._base \

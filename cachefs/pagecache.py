@@ -31,7 +31,7 @@ class KernelPages:
         self._lock = threading.Lock()
         # The attributes of each file's last open: the object the attribute cache holds too,
         # so remembering it costs a dictionary entry.  Insertion order is age order.
-        self._versions: dict[str, Attr] = {}
+        self._last_opened: dict[str, Attr] = {}
         self._open_handles: dict[str, int] = {}
         # Files whose pages may be of an older version than their last open's: a handle of
         # that version was still open, and may have read after the drop.
@@ -41,8 +41,8 @@ class KernelPages:
         """Record an open of ``relpath`` at ``attr``'s version; whether the kernel may keep
         its pages."""
         with self._lock:
-            last = self._versions.pop(relpath, None)
-            self._versions[relpath] = attr
+            last = self._last_opened.pop(relpath, None)
+            self._last_opened[relpath] = attr
             still_open = self._open_handles.get(relpath, 0)
             self._open_handles[relpath] = still_open + 1
             changed = last is not None and last.version != attr.version
@@ -52,11 +52,11 @@ class KernelPages:
             elif not still_open:
                 # This open drops the pages (or keeps ones no other version can have filled).
                 self._mixed.discard(relpath)
-            if len(self._versions) > self._max_entries:
+            if len(self._last_opened) > self._max_entries:
                 # Forget the oldest tenth: their next open just drops pages it could have kept.
                 # One still open may yet fill pages of the version forgotten here.
-                for old in list(self._versions)[: self._max_entries // 10]:
-                    del self._versions[old]
+                for old in list(self._last_opened)[: self._max_entries // 10]:
+                    del self._last_opened[old]
                     if old in self._open_handles:
                         self._mixed.add(old)
             return keep
