@@ -27,6 +27,8 @@ from cachefs.remote import Remote
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_ENTRIES = 1_000_000
+# How long the kernel may keep entries and attributes that never change (--revalidate never).
+IMMUTABLE_KERNEL_SECONDS = 86400.0
 
 
 class AttrCache:
@@ -77,6 +79,16 @@ class AttrCache:
             return fallback
         self._remember(relpath, attr, now)
         return attr
+
+    def fresh_for(self, relpath: str) -> float:
+        """Seconds the remembered attributes of ``relpath`` stay within the interval (what
+        the kernel may cache them for); 0 when none are remembered or they are due."""
+        entry = self._entries.get(relpath)
+        if entry is None:
+            return 0.0
+        if self._ttl is None:
+            return IMMUTABLE_KERNEL_SECONDS
+        return max(0.0, self._ttl - (time.monotonic() - entry[1]))
 
     def peek(self, relpath: str) -> Attr | None:
         """The attributes if memory holds them within the interval; never a round trip."""

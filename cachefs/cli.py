@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "keep (default 512MiB)")
     mount.add_argument("--allow-other", action="store_true", default=None,
                        help="let other users read the mount (permissions are enforced)")
+    mount.add_argument("--passthrough", help="'auto' (default): the kernel reads local files "
+                       "itself where it can (FUSE passthrough, Linux 6.9+, as root); 'off': "
+                       "the daemon serves every read")
     mount.add_argument("--runtime-dir", help="directory of the control socket")
     mount.add_argument("--foreground", action="store_true",
                        help="stay attached and log to stderr (for systemd)")
@@ -96,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 SETTING_FLAGS = ("backing", "mountpoint", "cache_dir", "cache_size", "fraction", "seed",
                  "metrics_addr", "revalidate", "remote_timeout", "prefetch_concurrency",
-                 "staging_size", "allow_other", "log_file", "runtime_dir")
+                 "staging_size", "allow_other", "passthrough", "log_file", "runtime_dir")
 
 
 def _settings_from_args(args: argparse.Namespace):

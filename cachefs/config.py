@@ -52,6 +52,9 @@ class Settings:
     prefetch_concurrency: int = DEFAULT_PREFETCH_CONCURRENCY
     staging_bytes: int = DEFAULT_STAGING_BYTES
     allow_other: bool = False
+    # "auto": the kernel reads local files itself (FUSE passthrough) where it can; "off":
+    # the daemon serves every read.
+    passthrough: str = "auto"
     log_file: Path | None = None
     runtime_dir: Path | None = None
 
@@ -126,6 +129,13 @@ def _concurrency(value: Any) -> int:
     return number
 
 
+def _passthrough(value: Any) -> str:
+    text = str(value).strip().lower() if isinstance(value, str) else value
+    if text not in ("auto", "off"):
+        raise ValueError(f"{value!r} is neither 'auto' nor 'off'")
+    return text
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -163,6 +173,7 @@ PARSERS = {
     "prefetch_concurrency": _concurrency,
     "staging_size": _staging_size,
     "allow_other": _bool,
+    "passthrough": _passthrough,
     "log_file": _path,
     "runtime_dir": _path,
 }

@@ -12,20 +12,22 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
 import xxhash
 
 from cachefs import __version__, sdnotify
-from cachefs._fuse import FUSE
 from cachefs.admission import FractionAdmission
 from cachefs.attrcache import AttrCache, relpath_key
 from cachefs.config import MetricsAddress, Settings
 from cachefs.control import ControlServer, Peer, Reply
 from cachefs.errors import CachefsError
 from cachefs.fetcher import Fetcher
-from cachefs.fuse_ops import CachefsOperations
+from cachefs.kernel.mirrorfs import MirrorFS
+from cachefs.kernel.mount import MountOptions
+from cachefs.kernel.session import Connection, Session
 from cachefs.metrics import HINT_RESULTS, PREFETCH_RESULTS, Metrics
 from cachefs.paths import Caller, normalize, resolve
 from cachefs.prefetch import Prefetcher
@@ -37,6 +39,9 @@ from cachefs.tree import CONTROL_NAME, CachedTree
 log = logging.getLogger(__name__)
 
 READY_FD_ENV = "CACHEFS_READY_FD"
+# Which FUSE stack serves the mount: "session" (cachefs/kernel/, the default) or
+# "libfuse" (mfusepy), kept only to measure one against the other.
+FUSE_STACK_ENV = "CACHEFS_FUSE_STACK"
 # Kernel attribute and entry caching when files may change: short, so that the
 # daemon's own --revalidate interval is what bounds staleness.
 MUTABLE_KERNEL_TIMEOUT_SECONDS = 1.0
@@ -84,6 +89,9 @@ class Daemon:
         self.control: ControlServer | None = None
         self.tree: CachedTree | None = None
         self.prefetcher: Prefetcher | None = None
+        self.staging: StagingArea | None = None
+        self.fs: MirrorFS | None = None
+        self.data_path = "not mounted"
 
     def start(self) -> None:
         """Everything but the mount.  Raises UsageError for bad input; undoes itself on failure."""
@@ -110,8 +118,8 @@ class Daemon:
             )
             attrs = AttrCache(self.remote, s.revalidate_seconds, self._recorded_attr)
             fetcher = Fetcher(self.remote, store)
-            staging = StagingArea(s.staging_bytes,
-                                  on_wasted=m.prefetch_files.labels("wasted").inc)
+            staging = self.staging = StagingArea(
+                s.staging_bytes, on_wasted=m.prefetch_files.labels("wasted").inc)
             self.prefetcher = Prefetcher(
                 mountpoint=str(s.mountpoint), store=store, fetcher=fetcher, remote=self.remote,
                 attrs=attrs, staging=staging, metrics=m, concurrency=s.prefetch_concurrency)
@@ -137,11 +145,48 @@ class Daemon:
     def serve(self) -> None:
         """Mount and serve until unmounted (fusermount -u, SIGTERM, SIGINT)."""
         s = self.settings
+        log.info("mounting %s at %s (cache %s, %d bytes, fraction %g, seed %d)",
+                 s.backing, s.mountpoint, s.cache_dir, s.cache_size_bytes, s.fraction, s.seed)
+        try:
+            if os.environ.get(FUSE_STACK_ENV, "session") == "libfuse":
+                self._serve_libfuse()
+            else:
+                self._serve_session()
+        finally:
+            log.info("unmounted %s", s.mountpoint)
+            sdnotify.notify("STOPPING=1")
+
+    def _serve_session(self) -> None:
+        s = self.settings
+        self.fs = MirrorFS(self.tree, on_mounted=self._on_mounted, metrics=self.metrics)
+        self.store.on_dropped = lambda key, version: self.fs.drop_held(os.fsdecode(key),
+                                                                       version)
+        session = Session(self.fs, want_passthrough=s.passthrough != "off",
+                          on_unexpected=None)
+        try:
+            session.mount(str(s.mountpoint), MountOptions(
+                fsname=str(s.backing), subtype="cachefs", allow_other=s.allow_other))
+        except OSError as exc:
+            raise RuntimeError(str(exc)) from None
+        previous = {sig: signal.signal(sig, lambda *_: session.unmount())
+                    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        try:
+            session.serve()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            session.close()
+
+    def _serve_libfuse(self) -> None:
+        from cachefs._fuse import FUSE
+        from cachefs.fuse_ops import CachefsOperations
+
+        s = self.settings
         timeout = (IMMUTABLE_KERNEL_TIMEOUT_SECONDS if s.revalidate_seconds is None
                    else min(MUTABLE_KERNEL_TIMEOUT_SECONDS, s.revalidate_seconds))
         operations = CachefsOperations(
             self.tree, immutable=s.revalidate_seconds is None,
-            on_mounted=self._on_mounted)
+            on_mounted=lambda: self._on_mounted(None))
         options = dict(
             foreground=True, ro=True, raw_fi=True, default_permissions=True,
             fsname=str(s.backing), subtype="cachefs",
@@ -149,29 +194,32 @@ class Daemon:
         )
         if s.allow_other:
             options["allow_other"] = True
-        log.info("mounting %s at %s (cache %s, %d bytes, fraction %g, seed %d)",
-                 s.backing, s.mountpoint, s.cache_dir, s.cache_size_bytes, s.fraction, s.seed)
-        try:
-            FUSE(operations, str(s.mountpoint), **options)
-        finally:
-            log.info("unmounted %s", s.mountpoint)
-            sdnotify.notify("STOPPING=1")
+        FUSE(operations, str(s.mountpoint), **options)
 
-    def _on_mounted(self) -> None:
-        log.info("serving %s at %s", self.settings.backing, self.settings.mountpoint)
+    def _on_mounted(self, connection: Connection | None) -> None:
+        if connection is not None and connection.passthrough:
+            self.data_path = "kernel passthrough: the kernel reads local files itself"
+        elif connection is not None:
+            self.data_path = f"served by the daemon: passthrough {connection.passthrough_note}"
+        else:
+            self.data_path = "served by the daemon (libfuse)"
+        self.metrics.passthrough.set(1 if connection is not None and connection.passthrough
+                                     else 0)
+        log.info("serving %s at %s; data path: %s", self.settings.backing,
+                 self.settings.mountpoint, self.data_path)
         report_ready()
         sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={os.getpid()}")
         sdnotify.keep_status_current(self.status_line)
 
     def stop(self) -> None:
         """Release everything :meth:`start` took; safe to call twice or after a failed start."""
-        for part in (self.control, self.prefetcher, self.remote):
+        for part in (self.control, self.prefetcher, self.remote, self.staging):
             if part is not None:
                 part.close()
         self.metrics.close()
         if self.store is not None:
             self.store.close()
-        self.control = self.prefetcher = self.remote = self.store = None
+        self.control = self.prefetcher = self.remote = self.store = self.staging = None
 
     # -- status ----------------------------------------------------------------------------
 
@@ -214,7 +262,8 @@ class Daemon:
             "cache_write_error": self.store.write_error if self.store else None,
             "integrity_failures": int(m.value("cachefs_integrity_failures_total")),
             "remote_available": bool(m.value("cachefs_remote_available")),
-            "open_files": self.tree.open_files if self.tree else 0,
+            "open_files": self.fs.open_files if self.fs else 0,
+            "data_path": self.data_path,
             "metrics_url": metrics_url,
             "hints": {r: int(m.value("cachefs_hints_total", result=r)) for r in HINT_RESULTS},
             "prefetch": {
@@ -245,27 +294,31 @@ class Daemon:
     def _read_request(self, peer: Peer, argument: bytes) -> Reply:
         """The fast path: a local file's bytes over the socket, checked as the mount would
         check them; anything else is read through the mount (which gives the errno)."""
-        return self._whole_file_reply(peer, argument, descriptor_ok=False)
+        return self._whole_file_reply(peer, argument, descriptor=False)
 
     def _open_request(self, peer: Peer, argument: bytes) -> Reply:
-        """READ, but a file stored as one chunk comes as a descriptor of that chunk and
-        its checksum, which the client verifies: the daemon does not touch the bytes."""
-        return self._whole_file_reply(peer, argument, descriptor_ok=True)
+        """READ, but the local file comes as a read-only descriptor: the reader reads it
+        itself, as the kernel does through passthrough, and the daemon never touches the
+        bytes."""
+        return self._whole_file_reply(peer, argument, descriptor=True)
 
-    def _whole_file_reply(self, peer: Peer, argument: bytes, *, descriptor_ok: bool) -> Reply:
+    def _whole_file_reply(self, peer: Peer, argument: bytes, *, descriptor: bool) -> Reply:
         try:
             relpath, attr = resolve(normalize(argument, self._mount_text),
                                     self.tree.attrs, self.remote, _caller(peer))
-            found = self.tree.read_whole(relpath, attr, descriptor_ok=descriptor_ok)
+            found = self.tree.locate(relpath, attr, fetch=False)
         except (OSError, CachefsError) as exc:
             return Reply({"ok": False, "error": str(exc) or type(exc).__name__})
         if found is None:
             return Reply({"ok": False, "error": "not local"})
-        if found.fd is not None:  # the reply to every cached file: formatted directly
-            return Reply(b'{"ok":true,"size":%d,"result":"%s","xxh3":%d}'
-                         % (attr.size, found.result.encode(), found.checksum), fd=found.fd)
-        return Reply({"ok": True, "size": attr.size, "result": found.result},
-                     payload=found.data)
+        if descriptor:  # the reply to every cached file: formatted directly
+            return Reply(b'{"ok":true,"size":%d,"result":"%s","fd":1}'
+                         % (attr.size, found.result.encode()), fd=found.fd)
+        try:
+            data = os.pread(found.fd, attr.size, 0)
+        finally:
+            os.close(found.fd)
+        return Reply({"ok": True, "size": len(data), "result": found.result}, payload=data)
 
     def _ping_request(self, peer, argument: bytes) -> Reply:
         return Reply({"ok": True, "version": __version__,

@@ -85,7 +85,7 @@ class Fetcher:
     def _wait(self, future: concurrent.futures.Future) -> bytes:
         # The owner gives up after one remote timeout; allow it that and a little more.
         try:
-            with remotewait.waiting():
+            with remotewait.waiting(remote_call=False):
                 return future.result(self._remote.timeout_seconds + 1.0)
         except concurrent.futures.TimeoutError:
             raise RemoteUnavailable("a fetch of this chunk by another reader did not finish") \

@@ -20,7 +20,7 @@ from cachefs._fuse import FuseOSError, Operations
 from cachefs.attrcache import relpath_of
 from cachefs.errors import errno_for
 from cachefs.pagecache import KernelPages
-from cachefs.tree import CachedTree
+from cachefs.tree import CachedTree, FdFile
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class CachefsOperations(Operations):
         # None: files never change (--revalidate never), so the kernel always keeps pages.
         self._kernel_pages = None if immutable else KernelPages()
         self._on_mounted = on_mounted
-        self._read_seconds = tree.metrics.read_seconds
+        self._open_seconds = tree.metrics.open_seconds
 
     def init(self, path: str) -> None:
         # The kernel has answered FUSE_INIT: from here the mount serves requests.
@@ -77,23 +77,26 @@ class CachefsOperations(Operations):
     def open(self, path: str, fi) -> int:
         if fi.flags & 0o3 != 0:  # O_WRONLY or O_RDWR
             raise FuseOSError(errno.EROFS)
-        handle = self.tree.open(relpath_of(path))
-        fi.fh = handle
+        started = time.perf_counter()
+        relpath = relpath_of(path)
+        attr = self.tree.attrs.get(relpath)
+        if not attr.is_file:
+            raise IsADirectoryError(relpath) if attr.is_dir else PermissionError(relpath)
+        located = self.tree.locate(relpath, attr)
+        fi.fh = self.tree.register(located.handle if located.kind == "chunks"
+                                   else FdFile(relpath, attr, located.fd))
         if self._kernel_pages is None:
             fi.keep_cache = True
         else:
             # Pages are kept only while the file's version is the one they were read at,
             # so a reader never sees pages older than the revalidation interval.
-            f = self.tree.handle(handle)
-            fi.keep_cache = self._kernel_pages.opened(f.relpath, f.attr)
+            fi.keep_cache = self._kernel_pages.opened(relpath, attr)
+        self._open_seconds.observe(time.perf_counter() - started)
         return 0
 
     @_errno_boundary
     def read(self, path: str, size: int, offset: int, fi) -> bytes:
-        started = time.perf_counter()
-        data = self.tree.read(fi.fh, size, offset)
-        self._read_seconds.observe(time.perf_counter() - started)
-        return data
+        return self.tree.read(fi.fh, size, offset)
 
     @_errno_boundary
     def release(self, path: str, fi) -> int:

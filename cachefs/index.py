@@ -8,7 +8,15 @@ read on every open of a file.
 Keys are bytes (``os.fsencode`` of the path relative to BACKING) because names
 that are not valid UTF-8 cannot be SQLite text.  A file's record sits at its
 path; chunk records of files with more than one chunk at ``path NUL n``.
-Chunk files on disk are named after :func:`data_key`, which adds the version.
+A cached file is one data file on disk whatever its size, named after
+:func:`data_key`, which adds the version.
+
+Writes are grouped: a record written or deleted is visible at once (to every
+reader of this index) and reaches SQLite with the others of the last
+``FLUSH_SECONDS`` in one transaction, not one commit each.  A crash loses at
+most those; the data files they describe are then unaccounted for, and the
+reconciliation at the next start removes them.  Records are only ever written
+after the data they describe, so nothing lost this way makes a wrong byte.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import sqlite3
 import struct
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,12 +34,18 @@ import diskcache
 
 from cachefs.attr import Attr, Version
 
+_ABSENT = object()
+
 # size, mtime_ns, mode, uid, gid, nlink, atime_ns, ctime_ns, stored chunks, checksum of chunk 0
 _FILE = struct.Struct("<qqIIIQqqIQ")
 # checksum, length
 _CHUNK = struct.Struct("<QI")
 # Records kept in memory: about 200 bytes each, so some 50 MiB at most.
 MEMO_ENTRIES = 2**18
+# Writes wait at most this long, or until there are FLUSH_RECORDS of them, before they are
+# committed together.
+FLUSH_SECONDS = 0.2
+FLUSH_RECORDS = 1024
 
 INDEX_SETTINGS = {
     "eviction_policy": "none",  # we never evict to make room; see admission.py
@@ -70,10 +84,10 @@ def chunk_key(relpath_bytes: bytes, index: int) -> bytes:
     return b"%s\0%d" % (relpath_bytes, index)
 
 
-def data_key(relpath_bytes: bytes, index: int, version: Version) -> bytes:
-    """What names a chunk's file on disk: two versions of a file never share a chunk file,
-    so writing the new one cannot clobber the old one still being read or dropped."""
-    return b"%s\0%d\0%d:%d" % (relpath_bytes, index, version.size, version.mtime_ns)
+def data_key(relpath_bytes: bytes, version: Version) -> bytes:
+    """What names a cached file's data on disk: two versions of a file never share a data
+    file, so writing the new one cannot clobber the old one still being read or dropped."""
+    return b"%s\0%d:%d" % (relpath_bytes, version.size, version.mtime_ns)
 
 
 def split_key(key: bytes) -> tuple[bytes, int | None]:
@@ -85,63 +99,103 @@ def split_key(key: bytes) -> tuple[bytes, int | None]:
 class CacheIndex:
     """Record storage, with the packed records of recently used keys kept in memory.
 
-    Opening a cached file must not cost a database query: libfuse's worker threads
-    come and go, and each new thread would open its own SQLite connection first.  So
+    Opening a cached file must not cost a database query, nor a fill a commit.  So
     records read or written are remembered (up to MEMO_ENTRIES, oldest forgotten
-    first) and the database is asked only for the others.
+    first), writes wait in ``_pending`` until the flusher commits them together, and
+    the database is asked only for the others.
 
     Thread safety: one SQLite connection serves every thread, one query at a time
     (``_db_lock``); read-modify-write sequences are the caller's to serialise (the
-    store's lock).  ``_memo_lock`` and the ``_writes`` counter keep a slow reader
-    from remembering a record that a writer replaced while it was in the database.
+    store's lock).  ``_memo_lock`` guards ``_memo``, ``_pending`` and the ``_writes``
+    counter, which keeps a slow reader from remembering a record that a writer
+    replaced while it was in the database.  Lock order: ``_db_lock`` before
+    ``_memo_lock``.
     """
 
     def __init__(self, directory: Path) -> None:
         self._cache = diskcache.Cache(str(directory), **INDEX_SETTINGS)
         _share_one_connection(self._cache)
         self._db_lock = threading.RLock()
-        self._memo: dict[bytes, bytes] = {}
+        self._memo: dict[bytes, bytes | None] = {}  # None: not in the index
+        # Written or deleted (None) and not yet committed: newer than the database.
+        self._pending: dict[bytes, bytes | None] = {}
         self._memo_lock = threading.Lock()
         self._writes = 0
+        self._flush_wanted = threading.Event()
+        # Told when a commit fails (the disk refuses writes): the store pauses admission.
+        self.on_flush_error: Callable[[sqlite3.Error], None] = lambda exc: None
+        self._closed = False
+        self._flusher = threading.Thread(target=self._flush_loop, name="index-flush",
+                                         daemon=True)
+        self._flusher.start()
 
     def close(self) -> None:
+        self._closed = True
+        self._flush_wanted.set()
+        self._flusher.join()
         with self._db_lock:
+            self.flush()
             self._cache.close()
 
     def _get(self, key: bytes) -> bytes | None:
-        raw = self._memo.get(key)
-        if raw is not None:
+        pending = self._pending.get(key, _ABSENT)
+        if pending is not _ABSENT:
+            return pending
+        raw = self._memo.get(key, _ABSENT)
+        if raw is not _ABSENT:
             return raw
         with self._memo_lock:
             writes = self._writes
         with self._db_lock:
             raw = self._cache.get(key)
-        if raw is not None:
-            with self._memo_lock:
-                if self._writes == writes:
-                    self._remember_locked(key, raw)
+        with self._memo_lock:
+            if self._writes == writes:
+                # Absent keys too (None): a miss asks for its key several times before
+                # the fill writes it.
+                self._remember_locked(key, raw)
         return raw
 
     def _set(self, key: bytes, raw: bytes | None) -> None:
-        """Write ``raw`` under ``key`` (None deletes it), keeping the memo in step: a reader
-        that went to the database before the write does not remember what it found."""
+        """Write ``raw`` under ``key`` (None deletes it): visible at once, committed by the
+        flusher with the writes around it."""
         with self._memo_lock:
             self._writes += 1
+            self._pending[key] = raw
             self._memo.pop(key, None)
-        with self._db_lock:
-            if raw is None:
-                self._cache.delete(key)
-            else:
-                self._cache.set(key, raw)
-        with self._memo_lock:
-            # Again after the write: a reader may have remembered the old record meanwhile.
-            if raw is None:
-                self._memo.pop(key, None)
-            else:
-                self._remember_locked(key, raw)
-            self._writes += 1
+            full = len(self._pending) >= FLUSH_RECORDS
+        if full:
+            self._flush_wanted.set()
 
-    def _remember_locked(self, key: bytes, raw: bytes) -> None:
+    def _flush_loop(self) -> None:
+        while not self._closed:
+            self._flush_wanted.wait(FLUSH_SECONDS)
+            self._flush_wanted.clear()
+            try:
+                self.flush()
+            except sqlite3.Error as exc:  # the disk: retried with the next flush
+                self.on_flush_error(exc)
+
+    def flush(self) -> None:
+        """Commit every pending write in one transaction."""
+        with self._db_lock:
+            with self._memo_lock:
+                batch = dict(self._pending)
+            if not batch:
+                return
+            with self._cache.transact(retry=True):
+                for key, raw in batch.items():
+                    if raw is None:
+                        self._cache.delete(key)
+                    else:
+                        self._cache.set(key, raw)
+            with self._memo_lock:
+                for key, raw in batch.items():
+                    if self._pending.get(key, _ABSENT) is raw:  # not written again meanwhile
+                        del self._pending[key]
+                        if raw is not None:
+                            self._remember_locked(key, raw)
+
+    def _remember_locked(self, key: bytes, raw: bytes | None) -> None:
         if len(self._memo) >= MEMO_ENTRIES:
             del self._memo[next(iter(self._memo))]
         self._memo[key] = raw
@@ -176,10 +230,12 @@ class CacheIndex:
     def all_keys(self) -> Iterator[bytes]:
         """Every key, file and chunk records alike (a snapshot; safe to delete while iterating)."""
         with self._db_lock:
+            self.flush()
             return iter(list(self._cache.iterkeys()))
 
     def __len__(self) -> int:
         with self._db_lock:
+            self.flush()
             return len(self._cache)
 
 
@@ -195,12 +251,17 @@ def _share_one_connection(cache: diskcache.Cache) -> None:
     """
     path = os.path.join(cache.directory, diskcache.core.DBNAME)
     shared = types.SimpleNamespace(pid=os.getpid())
-    shared.con = sqlite3.connect(path, timeout=cache.timeout, isolation_level=None,
-                                 check_same_thread=False)
     old, cache._local = cache._local, shared
     old_con = getattr(old, "con", None)
     if old_con is not None:
         old_con.close()
+    shared.con = sqlite3.connect(path, timeout=cache.timeout, isolation_level=None,
+                                 check_same_thread=False)
+    # The daemon owns the cache directory (layout.py flock()s it): no other process
+    # reads the index while it runs, so SQLite need not take and drop file locks, nor
+    # stat the files, on every query.  Set before the first access, so the write-ahead
+    # log's index lives in memory, not in a shared -shm file.
+    shared.con.execute("PRAGMA locking_mode=EXCLUSIVE")
     # The per-connection settings diskcache applies to each new connection.
     for key, value in shared.con.execute("SELECT key, value FROM Settings").fetchall():
         if key.startswith("sqlite_"):

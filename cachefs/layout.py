@@ -6,20 +6,25 @@
       cachefs-cache.json        marks the directory as ours; records the format
       lock                      flock()ed by the one daemon using the directory
       index/                    diskcache (SQLite): what is stored, with checksums
-      data/ab/cdef...           one file per chunk, named by a hash of (path, chunk)
+      data/ab/cdef...           one file per cached file, named by a hash of (path, version)
       tmp/                      fills in progress; swept at every start
 
-Fills are written under ``tmp/`` and renamed into ``data/`` so that a chunk
-file is either absent or complete.  There is no fsync: the checksum in the
-index is verified before every use, so a chunk torn by a power cut is caught
-and refetched, and skipping the flush keeps admissions cheap.
+A cached file is one local file whatever its size, so that the kernel can be handed it
+(FUSE passthrough).  A file of one chunk is written under ``tmp/`` and renamed into
+``data/``, so its data file is either absent or complete; a larger one is written chunk by
+chunk into its data file, and the index says which chunks are there.  There is no fsync:
+every data file is checked against the checksums in the index before it is first used,
+so a file torn by a power cut is caught and refetched, and skipping the flush keeps
+admissions cheap.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Iterator
@@ -29,7 +34,12 @@ import xxhash
 
 from cachefs.errors import UsageError
 
-FORMAT_VERSION = 1
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+# Format 1 stored each chunk of a file in a file of its own.  Such a cache is emptied and
+# refilled as files are read.
+OLDER_FORMATS = frozenset({1})
 MARKER_NAME = "cachefs-cache.json"
 # Allocation granularity assumed when the filesystem has not yet told us
 # (delayed allocation); st_blocks is used when it is larger.
@@ -78,7 +88,9 @@ class CacheLayout:
                     f"cache dir {self.root} has an unreadable {MARKER_NAME}; "
                     "run 'cachefs verify' or choose a new directory"
                 ) from None
-            if version != FORMAT_VERSION or chunk != self.chunk_bytes:
+            if version in OLDER_FORMATS and chunk == self.chunk_bytes:
+                self._empty_older_format(version, marker)
+            elif version != FORMAT_VERSION or chunk != self.chunk_bytes:
                 raise UsageError(
                     f"cache dir {self.root} was made by another cachefs version "
                     f"(format {version}); choose a new directory"
@@ -94,6 +106,15 @@ class CacheLayout:
             self.root.chmod(0o700)
         for sub in (self.index_dir, self.data_dir, self.tmp_dir):
             sub.mkdir(mode=0o700, exist_ok=True)
+
+    def _empty_older_format(self, version: int, marker: Path) -> None:
+        """Our own cache in a format this version no longer reads: emptied, not refused, so
+        that an upgrade needs no hand work.  Only our subdirectories are touched."""
+        log.warning("cache dir %s holds format %d of an older cachefs: emptied; it fills "
+                    "again as files are read", self.root, version)
+        for sub in (self.index_dir, self.data_dir, self.tmp_dir):
+            shutil.rmtree(sub, ignore_errors=True)
+        self._write_marker(marker)
 
     def _write_marker(self, marker: Path) -> None:
         tmp = marker.with_suffix(".tmp")
@@ -121,19 +142,19 @@ class CacheLayout:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    # -- chunk files ---------------------------------------------------------------------
+    # -- data files ----------------------------------------------------------------------
 
-    def chunk_name(self, key: bytes) -> str:
-        """``ab/cdef...``: a 128-bit hash of the index key, fanned out over 256 directories."""
+    def data_name(self, key: bytes) -> str:
+        """``ab/cdef...``: a 128-bit hash of the data key, fanned out over 256 directories."""
         digest = xxhash.xxh3_128_hexdigest(key)
         return f"{digest[:2]}/{digest[2:]}"
 
-    def chunk_path(self, key: bytes) -> str:
-        return self._data_prefix + self.chunk_name(key)
+    def data_path(self, key: bytes) -> str:
+        return self._data_prefix + self.data_name(key)
 
-    def write_chunk(self, key: bytes, data: bytes | memoryview) -> tuple[int, int]:
-        """Store ``data`` atomically; returns (bytes allocated for it, bytes of its directory)."""
-        final = self.chunk_path(key)
+    def write_whole(self, key: bytes, data: bytes | memoryview) -> int:
+        """Store ``data`` as the whole data file, atomically; returns the bytes allocated."""
+        final = self.data_path(key)
         # Unique per thread: two fills of one key must not write the same temporary file.
         tmp = os.path.join(self.tmp_dir, f"{os.path.basename(final)}.{threading.get_ident()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -144,26 +165,57 @@ class CacheLayout:
             allocated = allocated_bytes(os.fstat(fd))
         finally:
             os.close(fd)
-        directory = os.path.dirname(final)
         try:
             try:
                 os.replace(tmp, final)
             except FileNotFoundError:
-                # The first chunk of this fan-out directory; another thread may be
+                # The first file of this fan-out directory; another thread may be
                 # creating it at the same moment.
-                os.makedirs(directory, 0o700, exist_ok=True)
+                os.makedirs(os.path.dirname(final), 0o700, exist_ok=True)
                 os.replace(tmp, final)
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        return allocated, allocated_bytes(os.stat(directory))
+        return allocated
 
-    def open_chunk(self, key: bytes) -> int:
-        """A read-only descriptor of a stored chunk (FileNotFoundError when it is gone)."""
-        return os.open(self.chunk_path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    def write_at(self, key: bytes, offset: int, data: bytes | memoryview) -> int:
+        """Write ``data`` at ``offset`` of a data file written piecemeal (created sparse when
+        new); returns the bytes this added to the file's allocation."""
+        final = self.data_path(key)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            fd = os.open(final, flags, 0o600)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(final), 0o700, exist_ok=True)
+            fd = os.open(final, flags, 0o600)
+        try:
+            before = allocated_bytes(os.fstat(fd))
+            view = memoryview(data)
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+            return max(0, allocated_bytes(os.fstat(fd)) - before)
+        finally:
+            os.close(fd)
 
-    def remove_chunk(self, key: bytes) -> None:
-        _unlink_quietly(self.chunk_path(key))
+    def open_data(self, key: bytes) -> int:
+        """A read-only descriptor of a data file (FileNotFoundError when it is gone)."""
+        return os.open(self.data_path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+    def remove_data(self, key: bytes) -> int:
+        """Remove a data file; the bytes it had allocated (0 when it was gone)."""
+        path = self.data_path(key)
+        try:
+            allocated = allocated_bytes(os.stat(path))
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        return allocated
+
+    def fan_dir_bytes_of(self, key: bytes) -> tuple[str, int]:
+        """(fan-out directory name, its bytes) for the directory holding ``key``'s data."""
+        fan = self.data_name(key)[:2]
+        return fan, allocated_bytes(os.stat(os.path.join(self.data_dir, fan)))
 
     # -- whole-directory walks (startup, verify) -----------------------------------------
 
@@ -175,8 +227,8 @@ class CacheLayout:
             removed += 1
         return removed
 
-    def iter_chunk_files(self) -> Iterator[tuple[str, int]]:
-        """(name as :meth:`chunk_name` gives it, allocated bytes) of every stored chunk file."""
+    def iter_data_files(self) -> Iterator[tuple[str, int]]:
+        """(name as :meth:`data_name` gives it, allocated bytes) of every data file."""
         for fan in os.scandir(self.data_dir):
             if not fan.is_dir(follow_symlinks=False):
                 continue
@@ -187,7 +239,7 @@ class CacheLayout:
                     continue
                 yield f"{fan.name}/{entry.name}", allocated
 
-    def remove_chunk_name(self, name: str) -> None:
+    def remove_data_name(self, name: str) -> None:
         _unlink_quietly(os.path.join(self.data_dir, name))
 
     def fixed_bytes(self) -> int:

@@ -43,7 +43,7 @@ EXIT_MOUNT_FAILED = 32
 VALUE_OPTIONS = frozenset({
     "cache_dir", "cache_size", "fraction", "seed", "metrics_addr", "revalidate",
     "remote_timeout", "prefetch_concurrency", "staging_size", "log_file", "runtime_dir",
-    "config",
+    "config", "passthrough",
 })
 # -o NAME -> cachefs mount --NAME.
 FLAG_OPTIONS = frozenset({"allow_other", "debug"})

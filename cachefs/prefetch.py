@@ -32,7 +32,7 @@ from cachefs.fetcher import Fetcher
 from cachefs.metrics import Metrics
 from cachefs.paths import Caller, normalize, resolve
 from cachefs.remote import Remote
-from cachefs.staging import StagingArea
+from cachefs.staging import StagingArea, memory_file
 from cachefs.store import CHUNK_BYTES, CacheStore, chunk_count
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class _Active:
 class Prefetched:
     """What a reader opening a file finds already fetched for it."""
 
-    staged: bytes | None = None   # the whole file, from the staging area
+    staged: int | None = None     # a memory file of the whole file, now the reader's
     into_cache: bool = False      # prefetched into the cache and not read since
 
 
@@ -175,7 +175,7 @@ class Prefetcher:
 
     @staticmethod
     def _wait_for_prefetch(active: _Active, timeout: float) -> bool:
-        with remotewait.waiting():
+        with remotewait.waiting(remote_call=False):
             return active.done.wait(timeout)
 
     def _take_staged(self, relpath: str, attr: Attr) -> Prefetched:
@@ -307,15 +307,15 @@ class Prefetcher:
         if not self.staging.reserve(attr.size, STAGING_WAIT_SECONDS):
             raise CachefsError("no room in the staging area")
         try:
-            data = self.remote.read(relpath, 0, attr.size, attr.version)
-            with self._cond:
-                active = self._active[relpath]
-                active.staged_for, active.staged_version = active.extra_hints, attr.version
-            self.staging.put(relpath, attr.version, data, reserved=attr.size,
-                             readers=1 + active.staged_for)
+            fd = memory_file(relpath, self.remote.read(relpath, 0, attr.size, attr.version))
         except BaseException:
             self.staging.release(attr.size)
             raise
+        with self._cond:
+            active = self._active[relpath]
+            active.staged_for, active.staged_version = active.extra_hints, attr.version
+        self.staging.put(relpath, attr.version, fd, attr.size, reserved=attr.size,
+                         readers=1 + active.staged_for)
 
     def _maintain_locked(self) -> None:
         """Now and then: count prefetches nobody read as wasted."""

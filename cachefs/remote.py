@@ -1,12 +1,16 @@
-"""The remote tree (BACKING: an NFS mount in production), with every call bounded in time.
+"""The remote tree (BACKING: an NFS mount in production), with every wait bounded in time.
 
-An NFS server that stops answering makes system calls block, possibly for
-ever, and a blocked thread cannot be interrupted.  So every remote call runs on
-a worker of a bounded pool and the caller waits at most ``timeout`` seconds,
-then gets :class:`RemoteUnavailable` (EIO for a reader) while the worker stays
-stuck until the server answers.  A timeout marks the remote unavailable; a
-probe then stats the root every second and marks it available again when it
-answers, so cached files are served without waiting on the remote meanwhile.
+An NFS server that stops answering makes system calls block, possibly for ever, and a
+blocked thread cannot be interrupted.  Remote calls run on the caller's own thread (no
+hand-off to a pool: a miss costs the remote's latency, not our CPU), inside
+``remotewait.waiting()``: the FUSE session then starts another serving thread, and the
+watchdog answers the caller's request with EIO once ``--remote-timeout`` has passed,
+while the stuck thread stays parked in its system call until the server answers.
+
+A timeout marks the remote unavailable.  From then on calls fail at once with
+:class:`RemoteUnavailable` (EIO for a reader) instead of parking one more thread each,
+and attributes come from memory, so cached files are served without waiting on the
+remote; a probe stats the root every second and marks it available again when it answers.
 
 Paths are relative to BACKING ("" is its root) and never follow a symlink in
 their last component.
@@ -14,7 +18,6 @@ their last component.
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import logging
 import os
@@ -47,14 +50,12 @@ class Remote:
         root: str,
         timeout_seconds: float,
         *,
-        threads: int = 64,
         on_read_bytes: Callable[[int], None] = lambda n: None,
         on_error: Callable[[str], None] = lambda kind: None,
         on_availability: Callable[[bool], None] = lambda up: None,
     ) -> None:
         self.root = root
         self.timeout_seconds = timeout_seconds
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="remote")
         self._on_read_bytes = on_read_bytes
         self._on_error = on_error
         self._on_availability = on_availability
@@ -62,11 +63,13 @@ class Remote:
         self._available = True
         self._probing = False
         self._closed = False
+        self.watchdog = remotewait.Watchdog(timeout_seconds, self._timed_out)
+        remotewait.install(self.watchdog)
 
     def close(self) -> None:
         self._closed = True
-        # Workers stuck on a hung server must not keep the process alive.
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.watchdog.close()
+        remotewait.install(None)
 
     def path(self, relpath: str) -> str:
         return os.path.join(self.root, relpath) if relpath else self.root
@@ -78,27 +81,26 @@ class Remote:
     # -- the one way to call the remote ----------------------------------------------------
 
     def call(self, fn: Callable[..., T], *args) -> T:
-        """``fn(*args)`` on a pool worker, waiting at most the timeout.
+        """``fn(*args)`` on this thread, as a wait on the remote the watchdog bounds.
 
-        OSErrors keep their errno; a timeout raises RemoteUnavailable.
+        OSErrors keep their errno; RemoteUnavailable while the remote is known not to
+        answer.
         """
-        if self._closed:
-            raise RemoteUnavailable("the daemon is shutting down")
-        future = self._pool.submit(fn, *args)
+        if not self._available or self._closed:
+            raise RemoteUnavailable("the remote is not answering" if not self._closed
+                                    else "the daemon is shutting down")
         try:
             with remotewait.waiting():
-                result = future.result(self.timeout_seconds)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            self._on_error("timeout")
-            self._mark_unavailable(f"no answer within {self.timeout_seconds:g} s")
-            raise RemoteUnavailable(
-                f"the remote did not answer within {self.timeout_seconds:g} s") from None
+                return fn(*args)
         except OSError as exc:
             if exc.errno != errno.ENOENT:  # a missing name is an answer, not a fault
                 self._on_error(_error_kind(exc))
             raise
-        return result
+
+    def _timed_out(self) -> None:
+        """The watchdog's word that a call has outlasted the timeout."""
+        self._on_error("timeout")
+        self._mark_unavailable(f"no answer within {self.timeout_seconds:g} s")
 
     def _mark_unavailable(self, why: str) -> None:
         with self._state_lock:
@@ -116,12 +118,8 @@ class Remote:
         """Stat the root until it answers, then mark the remote available."""
         while not self._closed:
             time.sleep(PROBE_INTERVAL_SECONDS)
-            future = self._pool.submit(os.lstat, self.root)
             try:
-                future.result(self.timeout_seconds)
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                continue
+                os.lstat(self.root)  # on this thread only: it may park here for a while
             except OSError:
                 continue
             with self._state_lock:
@@ -149,8 +147,8 @@ class Remote:
     def read(self, relpath: str, offset: int, length: int, expected: Version) -> bytes:
         """``length`` bytes at ``offset`` of the file, which must still be version ``expected``.
 
-        One pool job opens, checks, reads and closes, so a hung server costs one
-        timeout, not one per step.  RemoteChanged when the file is another version.
+        Opens, checks, reads and closes in one wait.  RemoteChanged when the file is
+        another version.
         """
         data = self.call(_read_range, self.path(relpath), offset, length, expected)
         self._on_read_bytes(len(data))
@@ -181,10 +179,8 @@ class RemoteFile:
         return data
 
     def close(self) -> None:
-        # A close on a hung server blocks too: hand it to a worker, do not wait.
-        try:
-            self._remote._pool.submit(os.close, self.fd)
-        except RuntimeError:  # pool shut down
+        # A close may talk to the server (NFSv4 CLOSE): a wait like any other.
+        with remotewait.waiting():
             os.close(self.fd)
 
 
@@ -214,9 +210,11 @@ def _open_checked(path: str, expected: Version) -> int:
 
 
 def _read_range(path: str, offset: int, length: int, expected: Version) -> bytes:
-    fd = _open_checked(path, expected)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        # Checked after the read too: a rewrite in place during it could mix versions.
+        # One version check, after the read: it catches a file replaced before the open
+        # as well as one rewritten in place during the read (a round trip less than a
+        # check before and after, on a remote where each is one).
         return _pread_checked(fd, length, offset, expected)
     finally:
         os.close(fd)

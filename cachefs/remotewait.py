@@ -18,14 +18,17 @@ says so with ``waiting()``:
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import heapq
 import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 _hooks = threading.local()
+# How often the watchdog looks for waits past their deadline: a wait is answered at most
+# this much after its timeout.
+POLL_SECONDS = 0.25
 _watchdog: Watchdog | None = None
 
 
@@ -48,12 +51,15 @@ def install(watchdog: Watchdog | None) -> None:
 
 
 @contextlib.contextmanager
-def waiting() -> Iterator[None]:
+def waiting(*, remote_call: bool = True) -> Iterator[None]:
+    """Around a wait on the remote.  ``remote_call`` False: a wait for another thread's
+    call (a fetch in flight), which is bounded like a call but not counted as one."""
     begin = getattr(_hooks, "begin", None)
-    expire = getattr(_hooks, "expire", None)
+    watchdog = _watchdog
     watch = None
-    if expire is not None and _watchdog is not None:
-        watch = _watchdog.watch(expire, _hooks.token)
+    if watchdog is not None:
+        watch = watchdog.watch(getattr(_hooks, "expire", None), getattr(_hooks, "token", None),
+                               counted=remote_call)
     if begin is not None:
         begin()
     try:
@@ -62,42 +68,51 @@ def waiting() -> Iterator[None]:
         if begin is not None:
             _hooks.end()
         if watch is not None:
-            _watchdog.unwatch(watch)
+            watchdog.unwatch(watch)
 
 
 class Watchdog:
-    """Calls ``expire(token)`` for every watched wait still running ``timeout`` seconds after
-    it began, and ``on_expired()`` once per such wait (the remote counts a timeout).
+    """Calls ``on_expired()`` for every watched call still running ``timeout`` seconds after
+    it began (the remote counts a timeout), and ``expire(token)`` for every such wait that
+    came with one (the caller's request is answered).
 
-    Thread safety: ``_cond`` guards the heap and the set of live watches; callbacks run on
-    the watchdog's own thread, outside the lock.
+    Every wait has the same timeout, so the oldest watch is always the first to expire:
+    the watches are kept in order of age, and ending one is a dictionary deletion.
+
+    Thread safety: ``_cond`` guards ``_watches``; callbacks run on the watchdog's own
+    thread, outside the lock.
     """
 
     def __init__(self, timeout_seconds: float, on_expired: Callable[[], None]) -> None:
         self.timeout_seconds = timeout_seconds
         self._on_expired = on_expired
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, Callable[[object], None], object]] = []
-        self._live: set[int] = set()
+        # ident -> (deadline, expire, token, counted), oldest first.
+        self._watches: collections.OrderedDict[
+            int, tuple[float, Callable[[object], None] | None, object, bool]] = \
+            collections.OrderedDict()
         self._ids = itertools.count()
         self._closed = False
+        self._idle = False  # asleep until the next watch
         self._thread = threading.Thread(target=self._run, name="remote-watchdog", daemon=True)
         self._thread.start()
 
-    def watch(self, expire: Callable[[object], None], token: object) -> int:
+    def watch(self, expire: Callable[[object], None] | None, token: object, *,
+              counted: bool = True) -> int:
         ident = next(self._ids)
         with self._cond:
-            first = not self._heap or time.monotonic() + self.timeout_seconds < self._heap[0][0]
-            heapq.heappush(self._heap, (time.monotonic() + self.timeout_seconds, ident,
-                                        expire, token))
-            self._live.add(ident)
-            if first:
+            self._watches[ident] = (time.monotonic() + self.timeout_seconds, expire, token,
+                                    counted)
+            # While busy the watchdog looks every POLL_SECONDS (a timeout of seconds can
+            # afford it), so a call need not wake it: at most one wake per poll.
+            if self._idle:
+                self._idle = False
                 self._cond.notify()
         return ident
 
     def unwatch(self, ident: int) -> None:
         with self._cond:
-            self._live.discard(ident)
+            self._watches.pop(ident, None)
 
     def close(self) -> None:
         with self._cond:
@@ -110,20 +125,28 @@ class Watchdog:
             with self._cond:
                 while not self._closed:
                     now = time.monotonic()
-                    while self._heap and (self._heap[0][1] not in self._live
-                                          or self._heap[0][0] <= now):
-                        _deadline, ident, expire, token = heapq.heappop(self._heap)
-                        if ident in self._live:
-                            self._live.discard(ident)
-                            due.append((expire, token))
+                    while self._watches:
+                        ident, (deadline, expire, token, counted) = next(
+                            iter(self._watches.items()))
+                        if deadline > now:
+                            break
+                        del self._watches[ident]
+                        due.append((expire, token, counted))
                     if due:
                         break
-                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                    if self._watches:
+                        self._cond.wait(min(next(iter(self._watches.values()))[0] - now,
+                                            POLL_SECONDS))
+                    else:
+                        self._idle = True
+                        self._cond.wait()
                 if self._closed:
                     return
-            for expire, token in due:
-                self._on_expired()
-                try:
-                    expire(token)
-                except Exception:  # a caller already gone; nothing to answer
-                    pass
+            for expire, token, counted in due:
+                if counted:
+                    self._on_expired()
+                if expire is not None:
+                    try:
+                        expire(token)
+                    except Exception:  # a caller already gone; nothing to answer
+                        pass

@@ -2,15 +2,19 @@
 
 A hint for a file outside the admitted fraction (or arriving when the cache is
 full) is still worth fetching ahead: the reader then waits for memory instead
-of the remote.  The bytes wait here, within a fixed memory budget, until a
-reader opens the file; that reader takes them and they leave the area.  A file
-hinted again before it was read (the end of one epoch and the start of the
-next can name the same file) waits for as many readers as hints.  Bytes nobody
-takes within ``ttl_seconds`` are dropped and counted as wasted.
+of the remote.  The bytes wait here, in an anonymous memory file (memfd) each,
+within a fixed memory budget, until a reader opens the file; that reader takes
+the memfd (the kernel reads it directly, or the fast path hands it over) and it
+leaves the area.  A file hinted again before it was read (the end of one epoch
+and the start of the next can name the same file) waits for as many readers as
+hints.  Files nobody takes within ``ttl_seconds`` are dropped and counted as
+wasted.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -22,19 +26,39 @@ from cachefs.attr import Version
 MAX_READERS = 2
 
 
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+def memory_file(name: str, data: bytes) -> int:
+    """A descriptor of an anonymous memory file holding ``data``, sealed: whoever is handed
+    it (the kernel, a fast-path reader) can read it and never change it."""
+    fd = os.memfd_create(name[-200:] or "staged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @dataclass
 class _Staged:
     version: Version
-    data: bytes
+    fd: int
+    size: int
     staged_at: float
     readers: int = 1  # reads still expected, one per hint
 
 
 class StagingArea:
-    """Memory-bounded prefetched bytes by path.
+    """Memory-bounded prefetched files by path.
 
     Thread safety: ``_cond`` (and its lock) guards everything; waiting for room
-    happens on the condition, never while holding other locks.
+    happens on the condition, never while holding other locks.  A descriptor taken
+    out of the area belongs to the taker.
     """
 
     def __init__(self, capacity_bytes: int, ttl_seconds: float = 120.0,
@@ -75,16 +99,17 @@ class StagingArea:
             self._used -= size
             self._cond.notify_all()
 
-    def put(self, relpath: str, version: Version, data: bytes, reserved: int,
+    def put(self, relpath: str, version: Version, fd: int, size: int, reserved: int,
             readers: int = 1) -> None:
-        """Stage ``data`` in the room reserved for it, for ``readers`` reads."""
+        """Stage the memory file ``fd`` (``size`` bytes, owned by the area from now on) in
+        the room reserved for it, for ``readers`` reads."""
         with self._cond:
-            self._used += len(data) - reserved
+            self._used += size - reserved
             old = self._entries.pop(relpath, None)
             if old is not None:
-                self._used -= len(old.data)
+                self._discard_locked(old)
                 self._on_wasted(1)
-            self._entries[relpath] = _Staged(version, data, time.monotonic(),
+            self._entries[relpath] = _Staged(version, fd, size, time.monotonic(),
                                              min(readers, MAX_READERS))
             self._cond.notify_all()
 
@@ -99,23 +124,24 @@ class StagingArea:
             entry.readers = min(entry.readers + 1, MAX_READERS)
             return True
 
-    def take(self, relpath: str, version: Version) -> bytes | None:
-        """The staged bytes of this version of the file; they leave the area with the
-        last expected reader.  None if not staged."""
+    def take(self, relpath: str, version: Version) -> int | None:
+        """A descriptor of this version of the staged file, for the caller to keep; it
+        leaves the area with the last expected reader.  None if not staged."""
         with self._cond:
             entry = self._entries.get(relpath)
             if entry is None:
                 return None
             if entry.readers > 1 and entry.version == version:
                 entry.readers -= 1
-                return entry.data
+                return os.dup(entry.fd)
             del self._entries[relpath]
-            self._used -= len(entry.data)
+            self._used -= entry.size
             self._cond.notify_all()
         if entry.version != version:
+            os.close(entry.fd)
             self._on_wasted(1)
             return None
-        return entry.data
+        return entry.fd
 
     def __contains__(self, relpath: str) -> bool:
         return relpath in self._entries
@@ -124,11 +150,21 @@ class StagingArea:
         with self._cond:
             self._expire_locked()
 
+    def close(self) -> None:
+        with self._cond:
+            for entry in self._entries.values():
+                self._discard_locked(entry)
+            self._entries.clear()
+
+    def _discard_locked(self, entry: _Staged) -> None:
+        self._used -= entry.size
+        os.close(entry.fd)
+
     def _expire_locked(self) -> None:
         cutoff = time.monotonic() - self.ttl_seconds
         stale = [path for path, entry in self._entries.items() if entry.staged_at < cutoff]
         for path in stale:
-            self._used -= len(self._entries.pop(path).data)
+            self._discard_locked(self._entries.pop(path))
         if stale:
             self._on_wasted(len(stale))
             self._cond.notify_all()

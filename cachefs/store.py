@@ -1,17 +1,27 @@
 """The chunk store: cached bytes on the SSD, their index, checksums and the byte budget.
 
-A remote file is cached as fixed-size chunks (``CHUNK_BYTES``); a file no
-larger than one chunk, which is most training examples, is a single entry.
-Every chunk carries an xxh3 checksum that is verified each time it is read from
-the SSD, before any byte is served; a chunk that fails is dropped, counted and
-refetched by the caller.
+A cached file is one data file on the SSD (see layout.py), filled and checked in
+fixed-size chunks (``CHUNK_BYTES``); a file no larger than one chunk, which is most
+training examples, is a single entry.  Every chunk carries an xxh3 checksum.
+
+Two ways to read a cached file:
+
+- chunk by chunk (:meth:`CacheStore.read_chunk`), each chunk verified as it is read;
+- whole, as a descriptor handed to the kernel or a client that reads it without us
+  (:meth:`CacheStore.local_file`).  Such a file is verified against every checksum before
+  its first hand-over in this process, and again whenever its inode, size, mtime or ctime
+  changed since (anything that wrote to it).  Small files are verified on the spot; larger
+  ones by a background thread, and are read chunk by chunk until then.
+
+A chunk or file that fails is dropped, counted and refetched by the caller.
 
 The budget counts every byte the store has on disk: chunk data as allocated,
 the index files and the directories.  Admission reserves room before writing
 and stops when the next chunk would not fit; nothing is ever evicted to make
 room (see admission.py for why).
 
-Lock order: ``CacheStore._lock`` is a leaf; no other lock is taken while it is held.
+Lock order: ``CacheStore._lock`` before the index's locks; nothing else is taken while it
+is held.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import dataclasses
 import errno
 import logging
 import os
+import queue
 import sqlite3
 import threading
 import time
@@ -29,10 +40,10 @@ from pathlib import Path
 import xxhash
 
 from cachefs.admission import FractionAdmission
-from cachefs.attr import Attr
+from cachefs.attr import Attr, Version
 from cachefs.errors import CacheCorrupt
 from cachefs.index import CacheIndex, ChunkRecord, FileRecord, chunk_key, data_key, split_key
-from cachefs.layout import BLOCK_BYTES, CacheLayout, allocated_bytes
+from cachefs.layout import BLOCK_BYTES, CacheLayout
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +55,10 @@ INDEX_HEADROOM_BYTES = 768 * 2**10
 FILL_HEADROOM_BYTES = 2 * BLOCK_BYTES
 # After a write error (disk full, read-only, failing), try admitting again after this.
 ADMISSION_RETRY_SECONDS = 60.0
+# Files up to this size are verified when first handed over; larger ones in the background.
+INLINE_VERIFY_BYTES = 16 * 2**20
+# How often the index's size on disk is measured (it grows by records between).
+INDEX_MEASURE_SECONDS = 0.5
 
 _checksum = xxhash.xxh3_64_intdigest
 
@@ -62,6 +77,11 @@ def chunk_span(size: int, number: int) -> tuple[int, int]:
     """(offset, length) of chunk ``number`` of a file of ``size`` bytes."""
     offset = number * CHUNK_BYTES
     return offset, max(0, min(CHUNK_BYTES, size - offset))
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when anything writes to a file, or puts another file in its place."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 @dataclasses.dataclass
@@ -87,12 +107,13 @@ class CheckReport:
 
 
 class CacheStore:
-    """Cached chunks of remote files.
+    """Cached files on the SSD.
 
-    Thread safety: reading chunks takes no lock (records are immutable values and
-    chunk files are replaced atomically).  ``_lock`` guards the space account
-    (``_data_bytes``, ``_reserved_bytes``, ``_fan_bytes``, ``_index_bytes``),
-    ``_complete_files`` and every read-modify-write of a file record.
+    Thread safety: reading chunks takes no lock (records are immutable values, a file of
+    one chunk is replaced atomically, and chunks of a larger file are checked against their
+    checksums).  ``_lock`` guards the space account (``_data_bytes``, ``_reserved_bytes``,
+    ``_fan_bytes``, ``_index_bytes``), ``_complete_files`` and every read-modify-write of a
+    file record.  ``_verified`` is a dict changed by single operations.
     """
 
     def __init__(
@@ -110,16 +131,27 @@ class CacheStore:
         self._on_integrity_failure = on_integrity_failure
         # Called for every write the cache disk refused (the daemon counts them).
         self.on_write_error: Callable[[], None] = lambda: None
+        # Called (outside the lock) with (key, version) of every file version dropped, so
+        # that whoever keeps its data file open lets go of it.
+        self.on_dropped: Callable[[bytes, Version], None] = lambda key, version: None
+        index.on_flush_error = self._pause_admission
         self._lock = threading.Lock()
         self._data_bytes = 0
         self._reserved_bytes = 0
         self._fan_bytes: dict[str, int] = {}
         self._index_bytes = 0
+        self._index_measured_at = 0.0
         self._fixed_bytes = 0
         self._complete_files = 0
         self._full = False
         self._write_error: str | None = None
         self._admission_paused_until = 0.0
+        # key -> (version, identity of its data file) when verified whole in this process.
+        self._verified: dict[bytes, tuple[Version, tuple[int, int, int, int]]] = {}
+        self._to_verify: queue.SimpleQueue[tuple[bytes, FileRecord] | None] = \
+            queue.SimpleQueue()
+        self._verifying: set[bytes] = set()
+        self._verifier: threading.Thread | None = None
         self.startup_report = CheckReport()
 
     @classmethod
@@ -156,6 +188,9 @@ class CacheStore:
         return store
 
     def close(self) -> None:
+        if self._verifier is not None:
+            self._to_verify.put(None)
+            self._verifier.join(5)
         self.index.close()
         self.layout.unlock()
 
@@ -210,25 +245,85 @@ class CacheStore:
         if chunk is None:
             return None
         try:
-            return self._load(data_key(key, number, record.version), chunk)
+            return self._load(data_key(key, record.version), number, chunk,
+                              whole=chunk_count(record.attr.size) == 1)
         except CacheCorrupt as exc:
             self._corrupt_chunk(key, record, number, str(exc))
             raise
 
-    def open_chunk(self, key: bytes, record: FileRecord, number: int
-                   ) -> tuple[int, ChunkRecord] | None:
-        """A read-only descriptor of stored chunk ``number`` and what its bytes must be
-        (length, checksum), for a reader that verifies both itself; None when it is
-        not stored.  A chunk file that is gone is dropped and counted as read_chunk
-        would; the caller (not the store) closes the descriptor."""
-        chunk = self.chunk_record(key, record, number)
-        if chunk is None:
+    def local_file(self, key: bytes, record: FileRecord) -> int | None:
+        """A read-only descriptor of the whole cached file, verified against its checksums
+        (now, or earlier in this process and unchanged since); None when the file is not
+        whole, is being verified in the background, or failed (then it is dropped and
+        counted, and the caller refetches it).  The caller closes the descriptor."""
+        if not self.is_complete(record):
             return None
         try:
-            return self._open_data(data_key(key, number, record.version)), chunk
-        except CacheCorrupt as exc:
-            self._corrupt_chunk(key, record, number, str(exc))
+            fd = self.layout.open_data(data_key(key, record.version))
+        except OSError as exc:
+            self._corrupt_file(key, record, f"its file cannot be opened ({exc.strerror})")
             return None
+        try:
+            if self.still_verified(key, record.version, fd):
+                return fd
+            if record.attr.size > INLINE_VERIFY_BYTES:
+                self._verify_later(key, record)
+            elif self._verify(key, record, fd):
+                return fd
+        except OSError as exc:
+            self._corrupt_file(key, record, f"reading it failed ({exc.strerror})")
+        os.close(fd)
+        return None
+
+    def still_verified(self, key: bytes, version: Version, fd: int) -> bool:
+        """Whether the file behind ``fd`` is the one verified for ``version``, untouched."""
+        known = self._verified.get(key)
+        return known is not None and known[0] == version and known[1] == _identity(
+            os.fstat(fd))
+
+    def _verify(self, key: bytes, record: FileRecord, fd: int) -> bool:
+        """Check every chunk of the open data file; remember it verified, or drop it."""
+        st = os.fstat(fd)
+        if st.st_size != record.attr.size:
+            self._corrupt_file(key, record, f"it holds {st.st_size} bytes instead of "
+                                            f"{record.attr.size}")
+            return False
+        for number in range(chunk_count(record.attr.size)):
+            chunk = self.chunk_record(key, record, number)
+            offset, length = chunk_span(record.attr.size, number)
+            data = os.pread(fd, length, offset) if chunk is not None else b""
+            if chunk is None or len(data) != chunk.length or _checksum(data) != chunk.checksum:
+                self._corrupt_chunk(key, record, number, "its checksum does not match")
+                return False
+        if self.lookup(key) == record:  # not dropped or replaced meanwhile
+            self._verified[key] = (record.version, _identity(st))
+        return True
+
+    def _verify_later(self, key: bytes, record: FileRecord) -> None:
+        with self._lock:
+            if key in self._verifying:
+                return
+            self._verifying.add(key)
+            if self._verifier is None:
+                self._verifier = threading.Thread(target=self._verify_loop, name="verify",
+                                                  daemon=True)
+                self._verifier.start()
+        self._to_verify.put((key, record))
+
+    def _verify_loop(self) -> None:
+        while (job := self._to_verify.get()) is not None:
+            key, record = job
+            try:
+                fd = self.layout.open_data(data_key(key, record.version))
+                try:
+                    self._verify(key, record, fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                self._corrupt_file(key, record, f"reading it failed ({exc.strerror})")
+            finally:
+                with self._lock:
+                    self._verifying.discard(key)
 
     def _corrupt_chunk(self, key: bytes, record: FileRecord, number: int, why: str) -> None:
         log.warning("cached chunk %d of %s dropped: %s; refetching from the remote",
@@ -236,17 +331,21 @@ class CacheStore:
         self._on_integrity_failure()
         self._drop_chunk(key, record, number)
 
-    def _open_data(self, dkey: bytes) -> int:
+    def _corrupt_file(self, key: bytes, record: FileRecord, why: str) -> None:
+        log.warning("cached file %s dropped: %s; refetching from the remote",
+                    os.fsdecode(key), why)
+        self._on_integrity_failure()
+        self._drop_version(key, record.version)
+
+    def _load(self, dkey: bytes, number: int, chunk: ChunkRecord, *, whole: bool) -> bytes:
         try:
-            return self.layout.open_chunk(dkey)
+            fd = self.layout.open_data(dkey)
         except OSError as exc:
             raise CacheCorrupt(f"its file cannot be opened ({exc.strerror})") from None
-
-    def _load(self, dkey: bytes, chunk: ChunkRecord) -> bytes:
-        fd = self._open_data(dkey)
         try:
-            # One byte more than recorded tells a file that grew from an intact one.
-            data = os.pread(fd, chunk.length + 1, 0)
+            # A file of one chunk: one byte more than recorded tells a file that grew.
+            offset = number * CHUNK_BYTES
+            data = os.pread(fd, chunk.length + whole, offset)
         except OSError as exc:
             raise CacheCorrupt(f"reading it failed ({exc.strerror})") from None
         finally:
@@ -294,30 +393,46 @@ class CacheStore:
     def _write_chunk(self, key: bytes, attr: Attr, number: int, data: bytes) -> bool:
         checksum = _checksum(data)
         single = chunk_count(attr.size) == 1
-        ckey = chunk_key(key, number)
-        dkey = data_key(key, number, attr.version)
-        allocated, fan_bytes = self.layout.write_chunk(dkey, data)
-        fan = self.layout.chunk_name(dkey)[:2]
+        dkey = data_key(key, attr.version)
+        if single:
+            allocated = self.layout.write_whole(dkey, data)
+            # The bytes were hashed on their way to the disk: verified for the first hand-over.
+            identity = _identity(os.stat(self.layout.data_path(dkey)))
+        else:
+            allocated = self.layout.write_at(dkey, number * CHUNK_BYTES, data)
+        fan, fan_bytes = self.layout.fan_dir_bytes_of(dkey)
+        replaced = None
         with self._lock:
             record = self.index.get_file(key)
             if record is not None and record.attr.version != attr.version:
                 self._drop_locked(key, record)
-                record = None
+                replaced, record = record, None
             if record is None:
                 record = FileRecord(attr, 0, 0)
             already = self.chunk_record(key, record, number) is not None
             if not single:
-                self.index.put_chunk(ckey, ChunkRecord(checksum, len(data)))
+                self.index.put_chunk(chunk_key(key, number), ChunkRecord(checksum, len(data)))
             if not already:
                 record = record._replace(stored_chunks=record.stored_chunks + 1)
-                self._data_bytes += allocated
                 if self.is_complete(record):
                     self._complete_files += 1
+            if not (single and already):  # a file rewritten whole replaced its old bytes
+                self._data_bytes += allocated
             record = record._replace(first_checksum=checksum if single else 0)
             self.index.put_file(key, record)
+            if single:
+                self._verified[key] = (attr.version, identity)
             self._fan_bytes[fan] = fan_bytes
-            self._index_bytes = self.layout.index_bytes()
+            self._measure_index_locked()
+        if replaced is not None:
+            self.on_dropped(key, replaced.version)
         return True
+
+    def _measure_index_locked(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._index_measured_at >= INDEX_MEASURE_SECONDS:
+            self._index_measured_at = now
+            self._index_bytes = self.layout.index_bytes()
 
     def _pause_admission(self, exc: OSError | sqlite3.Error) -> None:
         self.on_write_error()
@@ -327,7 +442,8 @@ class CacheStore:
             message = f"index: {exc}"
         with self._lock:  # concurrent fills fail together: say so once
             first = self._write_error is None
-            self._write_error = message
+            if first:  # the first refusal is the cause; later ones follow from it
+                self._write_error = message
             self._admission_paused_until = time.monotonic() + ADMISSION_RETRY_SECONDS
         if first:
             log.error("cache disk refused a write: %s; admission paused, reads go to the "
@@ -340,24 +456,34 @@ class CacheStore:
             log.info("cache disk accepts writes again: admission resumed")
 
     def drop(self, key: bytes) -> None:
-        """Forget every chunk of the file at ``key`` (it changed, or a chunk is bad).
+        """Forget the file at ``key`` (it changed, or it is bad).
 
         Never raises for a disk problem: a disk that cannot forget is a disk that
         refuses writes (admission pauses); readers go to the remote regardless.
         """
+        record = None
         try:
             with self._lock:
                 record = self.index.get_file(key)
                 if record is not None:
                     self._drop_locked(key, record)
-                    self._index_bytes = self.layout.index_bytes()
+                    self._measure_index_locked()
         except (OSError, sqlite3.Error) as exc:
             self._pause_admission(exc)
+        if record is not None:
+            self.on_dropped(key, record.version)
+
+    def _drop_version(self, key: bytes, version: Version) -> None:
+        """Forget the file at ``key`` if it is still that version."""
+        record = self.lookup(key)
+        if record is not None and record.version == version:
+            self.drop(key)
 
     def _drop_chunk(self, key: bytes, record: FileRecord, number: int) -> None:
-        """Forget one bad chunk; the rest of a large file stays cached."""
+        """Forget one bad chunk; the rest of a large file stays cached (its bytes stay in the
+        data file, to be overwritten when the chunk is fetched again)."""
         if chunk_count(record.attr.size) == 1:
-            self.drop(key)
+            self._drop_version(key, record.version)
             return
         try:
             with self._lock:
@@ -368,12 +494,10 @@ class CacheStore:
                     return  # dropped or replaced meanwhile
                 if self.is_complete(current):
                     self._complete_files -= 1
-                self._data_bytes -= self._remove_file_locked(data_key(key, number,
-                                                                      current.version))
+                self._verified.pop(key, None)
                 self.index.delete(ckey)
                 self.index.put_file(key, current._replace(
                     stored_chunks=current.stored_chunks - 1))
-                self._index_bytes = self.layout.index_bytes()
                 self._full = False
         except (OSError, sqlite3.Error) as exc:
             self._pause_admission(exc)
@@ -381,33 +505,25 @@ class CacheStore:
     def _drop_locked(self, key: bytes, record: FileRecord) -> None:
         if self.is_complete(record):
             self._complete_files -= 1
+        self._verified.pop(key, None)
         count = chunk_count(record.attr.size)
-        for number in range(count):
-            ckey = chunk_key(key, number)
-            if count > 1 and self.index.get_chunk(ckey) is None:
-                continue
-            self._data_bytes -= self._remove_file_locked(data_key(key, number, record.version))
-            if count > 1:
-                self.index.delete(ckey)
+        if count > 1:
+            for number in range(count):
+                ckey = chunk_key(key, number)
+                if self.index.get_chunk(ckey) is not None:
+                    self.index.delete(ckey)
+        self._data_bytes -= self.layout.remove_data(data_key(key, record.version))
         self.index.delete(key)
         # Removing data may bring the store back under budget for later fills.
         self._full = False
-
-    def _remove_file_locked(self, dkey: bytes) -> int:
-        path = self.layout.chunk_path(dkey)
-        try:
-            allocated = allocated_bytes(os.stat(path))
-            os.unlink(path)
-        except FileNotFoundError:
-            return 0
-        return allocated
 
     # -- consistency -----------------------------------------------------------------------
 
     def check(self, *, fix: bool, verify_data: bool) -> CheckReport:
         """Compare the index with the files on disk; with ``fix``, repair what differs.
 
-        INVARIANT: every chunk file belongs to a record, and every record's chunks exist.
+        INVARIANT: every data file belongs to a file record, and every record with stored
+        chunks has its data file.
         INVARIANT: a file record's stored_chunks equals its chunk records (one for a
         single-chunk file).
         INVARIANT: used bytes (data + index + directories) <= capacity.
@@ -416,7 +532,7 @@ class CacheStore:
         (fix and verify) and by tests.  Not safe to run beside writers.
         """
         report = CheckReport(leftover_fills=self.layout.sweep_tmp() if fix else 0)
-        on_disk = dict(self.layout.iter_chunk_files())
+        on_disk = dict(self.layout.iter_data_files())
         file_keys: list[bytes] = []
         chunks_by_file: dict[bytes, list[int]] = {}
         for key in self.index.all_keys():
@@ -437,16 +553,16 @@ class CacheStore:
                 numbers = [0] if record.stored_chunks else []
             else:
                 numbers = chunks_by_file.pop(key, [])
-            names = [self.layout.chunk_name(data_key(key, n, record.version)) for n in numbers]
+            name = self.layout.data_name(data_key(key, record.version))
             healthy = True
             if len(numbers) != record.stored_chunks or any(n >= count for n in numbers):
                 report.miscounted_files += 1
                 healthy = False
-            for number, name in zip(numbers, names, strict=True):
-                if name not in on_disk:
-                    report.missing_chunks += 1
-                    healthy = False
-                elif verify_data:
+            if numbers and name not in on_disk:
+                report.missing_chunks += len(numbers)
+                healthy = False
+            elif verify_data:
+                for number in numbers:
                     if self._chunk_intact(key, record, number):
                         report.chunks_verified += 1
                     else:
@@ -456,30 +572,32 @@ class CacheStore:
             report.ineligible_files += not eligible
             if fix and not (healthy and eligible):
                 self._forget(key, numbers, record.version, multi_chunk=count > 1)
-                kept.update(names)  # accounted for above, not unaccounted orphans
+                kept.add(name)  # accounted for above, not an unaccounted orphan
                 continue
             report.files += 1
             report.chunks += len(numbers)
             report.complete_files += self.is_complete(record)
-            report.data_bytes += sum(on_disk.get(name, 0) for name in names)
-            kept.update(names)
+            report.data_bytes += on_disk.get(name, 0)
+            kept.add(name)
             scores.append((self.admission.score(os.fsdecode(key)), key))
         for key, numbers in chunks_by_file.items():  # chunk records of no file record
             report.orphan_files += len(numbers)
-            if fix:  # their files, whatever version, are swept as orphans below
+            if fix:
                 for number in numbers:
                     self.index.delete(chunk_key(key, number))
         for name in on_disk.keys() - kept:
             report.orphan_files += 1
             if fix:
-                self.layout.remove_chunk_name(name)
+                self.layout.remove_data_name(name)
+        if fix:
+            self.index.flush()
 
         with self._lock:
             self._data_bytes = report.data_bytes
             self._complete_files = report.complete_files
             self._fixed_bytes = self.layout.fixed_bytes()
             self._fan_bytes = self.layout.fan_dir_bytes()
-            self._index_bytes = self.layout.index_bytes()
+            self._measure_index_locked(force=True)
             self._full = False
         if fix:
             report.over_budget_files = self._trim_to_capacity(scores)
@@ -490,16 +608,17 @@ class CacheStore:
         if chunk is None:
             return False
         try:
-            self._load(data_key(key, number, record.version), chunk)
+            self._load(data_key(key, record.version), number, chunk,
+                       whole=chunk_count(record.attr.size) == 1)
         except CacheCorrupt:
             return False
         return True
 
     def _forget(self, key: bytes, numbers: list[int], version, *, multi_chunk: bool) -> None:
-        for number in numbers:
-            self.layout.remove_chunk(data_key(key, number, version))
-            if multi_chunk:
+        if multi_chunk:
+            for number in numbers:
                 self.index.delete(chunk_key(key, number))
+        self.layout.remove_data(data_key(key, version))
         self.index.delete(key)
 
     def _trim_to_capacity(self, scores: list[tuple[float, bytes]]) -> int:
@@ -515,4 +634,5 @@ class CacheStore:
                 break
             self.drop(key)
             dropped += 1
+        self.index.flush()
         return dropped

@@ -1,18 +1,26 @@
 """The read-only mirror of BACKING, served from the local cache where it can be.
 
-This is the plain-Python core behind the FUSE adapter (fuse_ops.py): paths
-relative to BACKING in, bytes and attributes out, domain exceptions and remote
-OSErrors for failures.  It can be driven without a mount.
+This is the plain-Python core behind the FUSE adapter (cachefs/kernel/mirrorfs.py) and
+the control socket's fast path: paths relative to BACKING in, attributes and local files
+out, domain exceptions and remote OSErrors for failures.  It can be driven without a mount.
 
-A read is served, chunk by chunk, from the first of:
-  1. the chunk this open file read last (kept in memory while it is open);
-  2. the SSD cache, checksum verified;
-  3. the prefetcher's staging area (files the cache does not keep; taken whole
-     at open);
-  4. the remote: a whole chunk when the file is admitted to the cache (it is
-     stored on the way), a read-ahead to the end of the chunk for sequential
-     readers, and just the bytes asked for otherwise, so random reads into
-     large uncached files cost what they would cost on the remote itself.
+The question every open asks is "which local file holds these bytes?"
+(:meth:`CachedTree.locate`).  The answer, in order:
+
+  1. the cache's own file, when the file is wholly cached (verified before its first
+     hand-over, see store.py);
+  2. a memory file the prefetcher staged (files the cache does not keep);
+  3. for a miss of a small file (one chunk), a fetch of the whole file first (one remote
+     read): into the cache when the file is admitted, else into a memory file;
+  4. otherwise (a large file not wholly cached) no single local file: the file is read
+     chunk by chunk through :meth:`CachedTree.read`, from the cache where chunks are
+     stored and from the remote for the rest (admitted chunks are stored on the way; a
+     read-ahead for sequential readers; just the bytes asked for otherwise, so random
+     reads into large uncached files cost what they would cost on the remote itself).
+
+A local file is handed over whole: to the kernel (FUSE passthrough, or read by the
+adapter where the kernel has none) or to a fast-path client over the control socket.
+Either way the bytes are counted when the file is handed over.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from cachefs.index import FileRecord
 from cachefs.metrics import OPEN_RESULTS, READ_SOURCES, Metrics
 from cachefs.prefetch import Prefetcher
 from cachefs.remote import Remote, RemoteFile
-from cachefs.store import CHUNK_BYTES, CacheStore, chunk_count, chunk_span
+from cachefs.staging import memory_file
+from cachefs.store import CHUNK_BYTES, CacheStore, chunk_span
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +49,32 @@ log = logging.getLogger(__name__)
 # Not listed by readdir, so `diff -r BACKING MOUNTPOINT` stays clean.
 CONTROL_NAME = ".cachefs.sock"
 READAHEAD_FROM_START = 2**20
-# Larger files are read through the mount, chunk by chunk, rather than held whole.
-MAX_WHOLE_READ_BYTES = 64 * 2**20
+# A miss of a file up to this size is fetched whole at open (one remote read) and handed
+# over as a local file; larger files are read chunk by chunk through the daemon.
+WHOLE_FETCH_BYTES = CHUNK_BYTES
 
 
 @dataclass(frozen=True)
-class WholeFile:
-    """A whole local file handed to a fast-path reader: its bytes, or a read-only
-    descriptor of the one chunk that holds them and the xxh3-64 they must hash to."""
+class Located:
+    """Where the bytes of one open of a file are.
 
-    result: str  # "hit" or "prefetched", as the open is counted
-    data: bytes | None = None
+    ``kind``: "cache" (``fd`` is the cache's own file of this version: the caller may keep
+    it for later opens, see ``held`` of :meth:`CachedTree.locate`), "held" (the caller's
+    kept descriptor is still good), "memory" (``fd`` is a memory file of this open's own),
+    or "chunks" (no single local file: read through ``handle``).
+    """
+
+    kind: str
+    result: str  # "hit", "prefetched" or "miss", as the open is counted
+    source: str  # "cache", "prefetch" or "remote", as the bytes are counted
     fd: int | None = None
-    checksum: int | None = None
+    handle: OpenFile | None = None
 
 
 @dataclass(eq=False)
 class OpenFile:
-    """One open() of a file.  Thread safety: ``lock`` serialises reads of this handle."""
+    """One open() of a file read chunk by chunk.  Thread safety: ``lock`` serialises
+    reads of this handle."""
 
     relpath: str
     key: bytes
@@ -75,8 +92,19 @@ class OpenFile:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@dataclass(eq=False)
+class FdFile:
+    """One open() of a file read with pread from a local file that holds all of it (owned:
+    closed at release)."""
+
+    relpath: str
+    attr: Attr
+    fd: int
+    remote_file = None
+
+
 class CachedTree:
-    """Lookups, listings and reads of the mirror.  Thread safety: see each collaborator;
+    """Lookups, listings and opens of the mirror.  Thread safety: see each collaborator;
     ``_handles`` is a dict mutated only by single atomic operations."""
 
     def __init__(
@@ -97,7 +125,7 @@ class CachedTree:
         self.metrics = metrics
         self.prefetcher = prefetcher
         self.control_target = control_target
-        self._handles: dict[int, OpenFile] = {}
+        self._handles: dict[int, OpenFile | FdFile] = {}
         self._next_handle = itertools.count(1)
         self._read_bytes = {s: metrics.read_bytes.labels(s) for s in READ_SOURCES}
         self._opens = {r: metrics.file_opens.labels(r) for r in OPEN_RESULTS}
@@ -123,22 +151,15 @@ class CachedTree:
     def listdir(self, relpath: str) -> list[tuple[str, int]]:
         return self.remote.listdir(relpath)
 
-    # -- open / read / release -------------------------------------------------------------
+    # -- open ------------------------------------------------------------------------------
 
-    def open(self, relpath: str) -> int:
-        """Open a regular file for reading; returns a handle number."""
-        attr = self.attrs.get(relpath)
-        if not attr.is_file:
-            raise IsADirectoryError(relpath) if attr.is_dir else PermissionError(relpath)
-        f, result = self._settle(relpath, attr)
-        self._opens[result].inc()
-        handle = next(self._next_handle)
-        self._handles[handle] = f
-        return handle
-
-    def _settle(self, relpath: str, attr: Attr) -> tuple[OpenFile, str]:
-        """What is already local for an open of this file, and whether that makes the open
-        a hit, prefetched or a miss."""
+    def locate(self, relpath: str, attr: Attr, *, fetch: bool = True,
+               held: int | None = None) -> Located | None:
+        """Where this open of the regular file ``relpath`` (version ``attr``) finds its bytes,
+        counted as an open.  Without ``fetch`` (the fast path), only a whole local file is
+        an answer: None (nothing counted) otherwise.  ``held``: a descriptor of this
+        version's cache file the caller kept from an earlier answer; when it is still good
+        the answer is "held"."""
         key = relpath_key(relpath)
         # Settle the prefetcher first: a prefetch into the cache that finishes now must
         # be seen by the lookup below, not fetched a second time.
@@ -150,71 +171,92 @@ class CachedTree:
             log.info("%s changed on the remote: cached copy dropped", relpath)
             self.store.drop(key)
             record = None
-        # An empty file needs no bytes: it is always whole in the cache.
-        hit = attr.size == 0 or (record is not None and self.store.is_complete(record))
-        f = OpenFile(relpath, key, attr, record)
-        result = "hit" if hit else "miss"
+        cache_result, cache_source = "hit", "cache"
+        if prefetched is not None and prefetched.into_cache:
+            cache_result, cache_source = "prefetched", "prefetch"
         if prefetched is not None and prefetched.staged is not None:
-            self._set_buffer(f, 0, prefetched.staged, "prefetch")
-            result = "prefetched"
-        elif prefetched is not None and prefetched.into_cache and hit:
-            f.cache_source = "prefetch"
-            result = "prefetched"
-        return f, result
-
-    def read_whole(self, relpath: str, attr: Attr, *, descriptor_ok: bool = False
-                   ) -> WholeFile | None:
-        """The whole file and how it was found (hit or prefetched), when it is local and
-        small enough to hand over at once; None when it must be read through the mount.
-
-        This is the control socket's fast path: no FUSE round trips, the same checks
-        (revalidated attributes, checksums) and the same metrics as a read by the mount.
-        With ``descriptor_ok``, a file stored as one chunk comes as an open descriptor
-        of that chunk and the checksum its bytes must have: the reader reads the SSD
-        itself and verifies them, so the daemon never touches the bytes.
-        """
-        if not attr.is_file or attr.size > MAX_WHOLE_READ_BYTES:
-            return None
-        f, result = self._settle(relpath, attr)
-        if result == "miss":
-            return None  # the mount fetches it (and counts the open)
-        if f.buffer_source == "prefetch" and len(f.buffer) == attr.size:
-            found, source = WholeFile(result, data=f.buffer), "prefetch"
-        elif descriptor_ok and f.record is not None and chunk_count(attr.size) == 1 \
-                and attr.size > 0:
-            opened = self.store.open_chunk(f.key, f.record, 0)
-            if opened is None:
-                return None  # dropped and counted by the store; the mount refetches
-            fd, chunk = opened
-            found, source = WholeFile(result, fd=fd, checksum=chunk.checksum), f.cache_source
+            found = Located("memory", "prefetched", "prefetch", fd=prefetched.staged)
+        elif attr.size == 0:  # no bytes to fetch: always whole in the cache
+            found = Located("memory", cache_result, cache_source, fd=memory_file(relpath, b""))
+        elif record is not None and self.store.is_complete(record):
+            found = self._cached(relpath, key, attr, record, held, cache_result, cache_source)
         else:
-            pieces = []
-            for number in range(chunk_count(attr.size)):
-                try:
-                    piece = self.store.read_chunk(f.key, f.record, number) \
-                        if f.record is not None else None
-                except CacheCorrupt:
-                    piece = None  # dropped and counted by the store; the mount refetches
-                if piece is None:
-                    return None
-                pieces.append(piece)
-            found, source = WholeFile(result, data=b"".join(pieces)), f.cache_source
-        self._opens[result].inc()
-        self._read_bytes[source].inc(attr.size)
+            found = None
+        if not fetch and (found is None or found.kind == "chunks"):
+            return None
+        if found is None:
+            found = self._miss(relpath, key, attr)
+        self.count_open(found.result, found.source, 0 if found.kind == "chunks" else attr.size)
         return found
 
-    def release(self, handle: int) -> OpenFile | None:
+    def count_open(self, result: str, source: str, handed_bytes: int) -> None:
+        """Count an open, and the bytes of a file handed over whole at open: once the kernel
+        reads a backing file itself, the open is the last this daemon sees of it."""
+        self._opens[result].inc()
+        if handed_bytes:
+            self._read_bytes[source].inc(handed_bytes)
+
+    def _cached(self, relpath: str, key: bytes, attr: Attr, record: FileRecord,
+                held: int | None, result: str, source: str) -> Located | None:
+        if held is not None and self.store.still_verified(key, attr.version, held):
+            return Located("held", result, source)
+        fd = self.store.local_file(key, record)
+        if fd is not None:
+            return Located("cache", result, source, fd=fd)
+        record = self.store.lookup(key)
+        if record is not None and record.version == attr.version \
+                and self.store.is_complete(record):
+            # Whole but not verified yet (a large file, in the background): chunk by chunk,
+            # each chunk verified as it is read.
+            handle = self._handle(relpath, key, attr, record)
+            handle.cache_source = source
+            return Located("chunks", result, source, handle=handle)
+        return None  # dropped as damaged: fetched again
+
+    def _miss(self, relpath: str, key: bytes, attr: Attr) -> Located:
+        # A file the cache does not keep is not handed to the kernel as the remote's own
+        # file either, though passthrough could read it there: its reads would then wait
+        # on the remote unbounded by --remote-timeout, and a file rewritten in place while
+        # read would mix versions.  Fetched here, it costs a copy (measured: about 100 us
+        # more per 64 KiB file; see bench/README.md).
+        admit = self.store.admitting and self.store.admission.eligible(relpath)
+        if attr.size > WHOLE_FETCH_BYTES:
+            return Located("chunks", "miss", "remote",
+                           handle=self._handle(relpath, key, attr, self.store.lookup(key)))
+        data = self.fetcher.fetch(relpath, key, attr, 0, admit=admit)
+        if admit:
+            record = self.store.lookup(key)
+            if record is not None and record.version == attr.version:
+                fd = self.store.local_file(key, record)
+                if fd is not None:
+                    return Located("cache", "miss", "remote", fd=fd)
+        return Located("memory", "miss", "remote", fd=memory_file(relpath, data))
+
+    def _handle(self, relpath: str, key: bytes, attr: Attr, record: FileRecord | None
+                ) -> OpenFile:
+        if record is not None and record.version != attr.version:
+            record = None
+        return OpenFile(relpath, key, attr, record)
+
+    def register(self, f: OpenFile | FdFile) -> int:
+        """A handle number for reads of ``f`` through :meth:`read`."""
+        handle = next(self._next_handle)
+        self._handles[handle] = f
+        return handle
+
+    def release(self, handle: int) -> OpenFile | FdFile | None:
         """Close a handle; the open file it was, if it was open."""
         f = self._handles.pop(handle, None)
-        if f is not None and f.remote_file is not None:
+        if isinstance(f, FdFile):
+            os.close(f.fd)
+        elif f is not None and f.remote_file is not None:
             f.remote_file.close()
         return f
 
-    def handle(self, handle: int) -> OpenFile:
-        return self._handles[handle]
-
     def read(self, handle: int, size: int, offset: int) -> bytes:
         f = self._handles[handle]
+        if isinstance(f, FdFile):
+            return os.pread(f.fd, size, offset)
         start_offset = offset
         end = min(offset + size, f.attr.size)
         if offset >= end:

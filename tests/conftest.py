@@ -152,6 +152,10 @@ def mount_cachefs(tmp_path: Path, request) -> Iterator:
                 **options) -> CachefsMount:
         options.setdefault("cache_size", "1G")
         options.setdefault("metrics_addr", "127.0.0.1:0")
+        # CI runs the mount tests a second time with the kernel's passthrough off, so that
+        # the data path without it (older kernels, no CAP_SYS_ADMIN) is tested as well.
+        if os.environ.get("CACHEFS_TEST_PASSTHROUGH"):
+            options.setdefault("passthrough", os.environ["CACHEFS_TEST_PASSTHROUGH"])
         mount = CachefsMount(backing, tmp_path / name, cache_dir or tmp_path / "cache",
                              tmp_path / f"{name}.log", options)
         mounts.append(mount)

@@ -36,13 +36,13 @@ pytestmark = pytest.mark.timeout(120)
 REMOTE_TIMEOUT = 2  # --remote-timeout in these tests, seconds
 
 
-def chunk_file(mount, rel: str, number: int = 0) -> Path:
-    """The file under <cache-dir>/data/ holding chunk ``number`` of ``rel``."""
+def data_file(mount, rel: str) -> Path:
+    """The file under <cache-dir>/data/ holding the cached bytes of ``rel``."""
     st = os.stat(mount.backing / rel)
     layout = CacheLayout(mount.cache_dir, CHUNK_BYTES)
-    path = Path(layout.chunk_path(data_key(os.fsencode(rel), number,
-                                           Version(st.st_size, st.st_mtime_ns))))
-    assert path.is_file(), f"chunk {number} of {rel} is not stored"
+    path = Path(layout.data_path(data_key(os.fsencode(rel),
+                                          Version(st.st_size, st.st_mtime_ns))))
+    assert path.is_file(), f"{rel} is not stored"
     return path
 
 
@@ -283,7 +283,7 @@ def test_unexpected_exceptions_become_eio_with_a_traceback(caplog):
         raised: BaseException
 
         class metrics:  # noqa: N801 - stands in for the attribute
-            read_seconds = None
+            open_seconds = None
 
         def getattr(self, relpath):
             raise self.raised
@@ -397,8 +397,8 @@ def test_damaged_chunks_are_never_served_and_are_refetched(source, remote, mount
 
     # Behind the daemon's back: one kind of damage per small file, the middle chunk of the shard.
     for rel, damage in zip(small, DAMAGE.values(), strict=True):
-        damage(chunk_file(mount, rel))
-    _flip(chunk_file(mount, "shard.bin", 1))
+        damage(data_file(mount, rel))
+    _flip(data_file(mount, "shard.bin"))  # the middle of 10 MiB: its second chunk
     remote_before = mount.metric("cachefs_remote_read_bytes_total")
 
     assert shuffled_read_all(mount.path, rels, seed=2) == want
@@ -516,8 +516,7 @@ def test_verify_checks_every_chunk_and_drops_the_bad_ones(source, remote, mount_
     want = shuffled_read_all(mount.path, rels, seed=1)
     damaged = {"flipped": rels[0], "truncated": rels[1], "deleted": rels[2],
                "shard": "shard.bin"}
-    paths = {what: chunk_file(mount, rel) for what, rel in damaged.items() if what != "shard"}
-    paths["shard"] = chunk_file(mount, "shard.bin", 2)
+    paths = {what: data_file(mount, rel) for what, rel in damaged.items()}
     mount.stop()
 
     _flip(paths["flipped"])
@@ -532,7 +531,7 @@ def test_verify_checks_every_chunk_and_drops_the_bad_ones(source, remote, mount_
     result = run_cachefs("verify", "--cache-dir", str(mount.cache_dir), "--json")
     assert result.returncode == 1, result.stderr
     report = json.loads(result.stdout)
-    assert report["corrupt_chunks"] == 3  # flipped, truncated, the shard's third chunk
+    assert report["corrupt_chunks"] == 3  # flipped, truncated, the shard's middle chunk
     assert report["missing_chunks"] == 1
     assert report["leftover_fills"] == 1
     assert report["orphan_files"] == 1

@@ -1,5 +1,5 @@
 """The store and the small parts, without a mount: budget, checksums, reconciliation,
-admission statistics, size and config parsing, and the errno table of the FUSE adapter."""
+admission statistics, size and config parsing, and the errno table of the FUSE boundary."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import stat
 
 import pytest
 
-from cachefs._fuse import FuseOSError
 from cachefs.admission import FractionAdmission
 from cachefs.attr import Attr, Version
 from cachefs.config import build_settings, parse_metrics_addr
 from cachefs.errors import CacheCorrupt, RemoteChanged, RemoteUnavailable, UsageError
-from cachefs.fuse_ops import CachefsOperations
 from cachefs.index import data_key
+from cachefs.kernel import protocol
+from cachefs.kernel.mirrorfs import MirrorFS
+from cachefs.kernel.session import Request, Session
 from cachefs.sizes import parse_size
 from cachefs.store import CHUNK_BYTES, CacheStore, chunk_count
 from tests.conftest import disk_usage
@@ -91,7 +92,7 @@ def test_corrupt_chunk_is_detected_and_dropped(open_store, damage):
     store._on_integrity_failure = lambda: failures.append(1)
     data = os.urandom(50_000)
     put_file(store, "img.jpg", data)
-    path = store.layout.chunk_path(data_key(b"img.jpg", 0, Version(len(data), 1)))
+    path = store.layout.data_path(data_key(b"img.jpg", Version(len(data), 1)))
     if damage == "flip":
         with open(path, "r+b") as f:
             f.seek(1234)
@@ -205,13 +206,15 @@ def test_settings_errors_name_their_source():
 
 
 class _RaisingTree:
-    """Stands in for the core to check the adapter's errno table alone."""
+    """Stands in for the core to check the adapter's errno table alone: the root is a
+    directory, every other name raises."""
 
     def __init__(self, exc):
         self.exc = exc
-        self.metrics = type("M", (), {"read_seconds": None})()
 
     def getattr(self, relpath):
+        if relpath == "":
+            return attr_of(0)._replace(mode=stat.S_IFDIR | 0o755)
         raise self.exc
 
 
@@ -225,10 +228,18 @@ class _RaisingTree:
     (KeyError("a bug"), errno.EIO),
 ])
 def test_adapter_maps_exceptions_to_errnos(exc, code):
-    ops = CachefsOperations(_RaisingTree(exc), immutable=False, on_mounted=lambda: None)
-    with pytest.raises(FuseOSError) as info:
-        ops.getattr("/x")
-    assert info.value.errno == code
+    """What the kernel is answered when a lookup fails, through the session's real reply
+    path (into a pipe instead of /dev/fuse)."""
+    metrics = type("M", (), {"open_seconds": None, "served_reads": None})()
+    session = Session(MirrorFS(_RaisingTree(exc), on_mounted=lambda c: None, metrics=metrics))
+    read_end, session.fd = os.pipe()
+    try:
+        session._lookup(Request(7, protocol.ROOT_ID, 0, 0, 0), memoryview(b"x\0"))
+        length, error, unique = protocol.OUT_HEADER.unpack(os.read(read_end, 4096))
+    finally:
+        os.close(read_end)
+        os.close(session.fd)
+    assert (length, -error, unique) == (16, code, 7)
 
 
 def test_random_stress_of_store_against_a_model(open_store):
@@ -264,14 +275,14 @@ def test_chunks_written_at_once_into_a_new_directory_all_land(tmp_path):
     by_dir: dict[str, list[bytes]] = {}
     for n in range(20_000):
         key = f"k{n}".encode()
-        by_dir.setdefault(layout.chunk_name(key)[:2], []).append(key)
+        by_dir.setdefault(layout.data_name(key)[:2], []).append(key)
     groups = [keys[:8] for keys in by_dir.values() if len(keys) >= 8][:40]
     failures = []
 
     def write(key: bytes, barrier: threading.Barrier) -> None:
         barrier.wait()
         try:
-            layout.write_chunk(key, key)
+            layout.write_whole(key, key)
         except OSError as exc:
             failures.append(exc)
 
@@ -285,5 +296,5 @@ def test_chunks_written_at_once_into_a_new_directory_all_land(tmp_path):
     assert failures == []
     for keys in groups:
         for key in keys:
-            with open(layout.chunk_path(key), "rb") as f:
+            with open(layout.data_path(key), "rb") as f:
                 assert f.read() == key

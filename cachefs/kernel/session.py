@@ -18,13 +18,15 @@ request, so idle threads cost nothing; but every thread more that is busy takes 
 GIL, so there are few (``base_threads``), and more are added only where waiting, not Python,
 is what a request costs:
 
-- a thread that waits on the remote (cachefs/remotewait.py) is replaced at once, so that
-  misses wait side by side and never hold up the opens of cached files;
+- when a request starts waiting on the remote (cachefs/remotewait.py) and no other thread
+  is free of the remote, one more is added at once, so that misses wait side by side and
+  never hold up the opens of cached files;
 - when every thread has been busy and none has finished a request for ``STUCK_SECONDS``
   (a wait nobody marked, a hung cache disk), the threads double.
 
-Threads no longer needed (more than the base free of the remote, and another one idle) park,
-to be woken by the next wait instead of starting a thread, and end after ``PARKED_SECONDS``.
+Threads no longer needed (more than the base and ``SPARE_THREADS`` free of the remote, and
+another one idle) park, to be woken by the next wait instead of starting a thread, and end
+after ``PARKED_SECONDS``.
 
 Thread safety: ``_lock`` guards the thread accounting (``_threads``, ``_busy``,
 ``_waiting``, ``_parked``); it is a leaf lock, held for a few counter updates.  Replies may
@@ -53,6 +55,9 @@ STUCK_SECONDS = 0.1
 PARKED_SECONDS = 60.0
 MAX_THREADS = 128
 BASE_THREADS = 2
+# Threads kept beyond the base once a burst of misses made them: an idle thread waits in
+# the kernel at no cost, a parked one costs a wake-up when the next miss comes.
+SPARE_THREADS = 4
 # Requests never carry data here (no writes), so a small buffer holds any of them: the
 # kernel wants room for a WRITE of max_write plus headers, and at least 8 KiB.
 MAX_WRITE = 4096
@@ -149,6 +154,7 @@ class Session:
         self._on_unexpected = on_unexpected
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
+        self._local = threading.local()  # per serving thread: "waiting", see _serve
         self._busy = 0      # threads handling a request
         self._waiting = 0   # of those, waiting on the remote
         self._parked = 0
@@ -282,15 +288,20 @@ class Session:
                 self._add_thread()
 
     def _begin_remote_wait(self) -> None:
+        # Counted once per request, however many remote calls it makes (a miss makes
+        # several): the thread's request is "waiting" until it is answered (see _serve).
+        local = self._local
+        if local.waiting:
+            return
+        local.waiting = True
         with self._lock:
             self._waiting += 1
-            short = self._serving_locked() - self._waiting < self._base
+            short = self._serving_locked() - self._waiting < 1
         if short:
             self._add_thread()
 
     def _end_remote_wait(self) -> None:
-        with self._lock:
-            self._waiting -= 1
+        pass  # the request's end ends its wait: see _serve
 
     def _expire(self, unique) -> None:
         """A request has waited on the remote past the timeout: answer it without its thread."""
@@ -298,6 +309,8 @@ class Session:
 
     def _serve(self) -> None:
         remotewait.set_hooks(self._begin_remote_wait, self._end_remote_wait, self._expire)
+        local = self._local
+        local.waiting = False
         buffer = bytearray(READ_BUFFER_BYTES)
         view = memoryview(buffer)
         fd = self.fd
@@ -327,13 +340,18 @@ class Session:
                     except Exception:
                         log.exception("handling FUSE opcode %d failed", opcode)
                         self.reply_error(unique, errno.EIO)
+                waited, local.waiting = local.waiting, False
                 with self._lock:
                     self._busy -= 1
+                    if waited:
+                        self._waiting -= 1
                     self._last_done = time.monotonic()
                     serving = self._serving_locked()
-                    # Not needed: more threads free of the remote than the base, and
+                    # Not needed: more threads free of the remote than the base and the
+                    # spares (kept so that a burst of misses wakes no thread), and
                     # another one idle to take the next request.
-                    extra = serving - self._waiting > self._base and self._busy < serving - 1
+                    extra = serving - self._waiting > self._base + SPARE_THREADS \
+                        and self._busy < serving - 1
                     if extra:
                         self._parked += 1
                 if extra and not self._park():
@@ -371,8 +389,10 @@ class Session:
             return
         self.reply_error(unique, errno.EROFS if opcode in p.MUTATIONS else errno.ENOSYS)
 
-    def _call(self, req: Request, method, *args) -> None:
-        """Run a file system method and send what it returns (or the errno it raised)."""
+    def _call(self, req: Request, method, *args) -> bytes | None:
+        """Run a file system method and send what it returns (or the errno it raised).
+        Returns the body the kernel did not take (its caller was interrupted, or a watchdog
+        answered first), for the caller to undo what it stood for; None otherwise."""
         try:
             body = method(req, *args)
         except OSError as exc:
@@ -380,16 +400,16 @@ class Session:
             if code is None:
                 code = self._unexpected(exc, method)
             self.reply_error(req.unique, code)
-            return
+            return None
         except Exception as exc:
             code = self.fs.errno_for(exc)
             if code is None:
                 code = self._unexpected(exc, method)
             self.reply_error(req.unique, code)
-            return
-        if body is DEFERRED:
-            return
-        self.reply(req.unique, body or b"")
+            return None
+        if body is DEFERRED or self.reply(req.unique, body or b""):
+            return None
+        return body
 
     def _unexpected(self, exc: BaseException, method) -> int:
         log.error("unexpected error in %s; answering EIO", getattr(method, "__name__", method),
@@ -451,7 +471,9 @@ class Session:
 
     def _lookup(self, req: Request, body: memoryview) -> None:
         name = bytes(body[: len(body) - 1])  # NUL-terminated
-        self._call(req, self.fs.lookup, req.nodeid, name)
+        lost = self._call(req, self.fs.lookup, req.nodeid, name)
+        if lost:  # the kernel never counted this lookup
+            self.fs.forget(int.from_bytes(lost[:8], "little"), 1)
 
     def _forget(self, req: Request, body: memoryview) -> None:
         (nlookup,) = p.FORGET_IN.unpack_from(body)
@@ -472,7 +494,9 @@ class Session:
 
     def _open(self, req: Request, body: memoryview) -> None:
         flags, _ = p.OPEN_IN.unpack_from(body)
-        self._call(req, self.fs.open, req.nodeid, flags)
+        lost = self._call(req, self.fs.open, req.nodeid, flags)
+        if lost:  # no RELEASE will come for this open
+            self.fs.release(req, req.nodeid, p.OPEN_OUT.unpack_from(lost)[0])
 
     def _read(self, req: Request, body: memoryview) -> None:
         fh, offset, size, _ = p.READ_IN.unpack_from(body)

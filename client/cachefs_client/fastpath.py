@@ -6,18 +6,15 @@ to a ceiling of a few thousand small files per second.  ``read_file`` asks the
 daemon over its control socket instead: one request, one reply carrying the
 bytes.  The daemon answers only for files already local (cached or prefetched),
 after the same checks the mount makes: the caller's permissions (from the
-socket's peer credentials), the revalidated attributes, the chunk checksums.
+socket's peer credentials), the revalidated attributes, the checksums.
 Anything else (a miss, an error, a daemon that is gone) is read through the
 mount, so the answer is always what ``open(path, "rb").read()`` gives.
 
-Where the xxhash package is installed (``pip install cachefs-client[fast]``), the
-client asks for a descriptor instead of the bytes: for a file stored as one chunk
-the daemon passes an open read-only descriptor of that chunk (SCM_RIGHTS) and the
-xxh3-64 its bytes must hash to, and the worker reads the SSD itself and verifies
-them.  The daemon then costs one small request per file, not a copy of every byte.
-A chunk that does not hash right is never returned: the client asks again for the
-bytes, which makes the daemon find the damage, drop the chunk and count it, and
-the file is read through the mount (refetched from the remote).
+The client asks for a descriptor rather than the bytes: the daemon passes an open
+read-only descriptor of the local file that holds them (SCM_RIGHTS), the very
+file the kernel would read through the mount (the cache's file, verified before
+its first hand-over, or a sealed memory file), and the worker reads it itself.
+The daemon then costs one small request per file, not a copy of every byte.
 """
 
 from __future__ import annotations
@@ -50,11 +47,6 @@ _M_MMAP_THRESHOLD = -3
 HEAP_ALLOCATION_MAX_BYTES = 32 << 20  # glibc's ceiling for the mmap threshold
 KEPT_FREE_BYTES = 128 << 20
 
-try:
-    from xxhash import xxh3_64_intdigest
-except ImportError:  # the daemon sends the bytes, verified on its side
-    xxh3_64_intdigest = None
-
 
 class DaemonReader:
     """This process's reading connection to the daemon of one mount.
@@ -71,7 +63,7 @@ class DaemonReader:
         self._sock: socket.socket | None = None
         self._replies: _Replies | None = None
         self._broken = False
-        self._descriptors = xxh3_64_intdigest is not None
+        self._descriptors = True
         _keep_freed_memory()
 
     def read_many(self, relatives: list[bytes]) -> list[bytes | None]:
@@ -87,9 +79,7 @@ class DaemonReader:
                 for batch in _batches(wanted, relatives):
                     command = b"OPEN" if self._descriptors else b"READ"
                     again = self._exchange_locked(command, batch, relatives, found)
-                    # Damaged bytes: READ makes the daemon read the chunk, find the damage,
-                    # drop the chunk and count it; the mount then refetches the file.
-                    # (A daemon older than OPEN is asked with READ too.)
+                    # A daemon older than OPEN is asked with READ.
                     self._exchange_locked(b"READ", again, relatives, found)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 # A daemon too old to know READ, gone, or confused: use the mount from now
@@ -116,18 +106,16 @@ class DaemonReader:
                     again.append(i)
                 continue
             size = int(header["size"])
-            if "xxh3" not in header:
+            if "fd" not in header:
                 found[i] = self._replies.read(size)
                 continue
             fd = self._replies.take_descriptor()
             try:
-                data = os.pread(fd, size + 1, 0)  # a byte more tells a chunk that grew
+                data = os.pread(fd, size + 1, 0)  # a byte more tells a file that grew
             finally:
                 os.close(fd)
-            if len(data) == size and xxh3_64_intdigest(data) == int(header["xxh3"]):
-                found[i] = data
-            else:
-                again.append(i)
+            if len(data) == size:
+                found[i] = data  # else the mount reads it (and the daemon finds out why)
         return again
 
     def _connect_locked(self) -> None:
@@ -195,7 +183,7 @@ class _Replies:
     that arrived with them (a buffered file object would drop those).
 
     Descriptors are matched to replies in order: each reply that announces one
-    (``xxh3``) carries exactly one, sent with its first byte, so by the time its
+    (``fd``) carries exactly one, sent with its first byte, so by the time its
     line is complete its descriptor is here and every earlier one has been taken.
     """
 

@@ -1,0 +1,210 @@
+"""What one file costs on each path through the daemon: files/s and daemon CPU per file.
+
+The figure the data path is judged by is the daemon's own CPU per file (user + system, from
+/proc/PID/stat): on a node it is shared with the training job's workers, and under one GIL
+it also caps the files/s of a whole mount.  Each path is measured with READERS reader
+processes (open, read whole, close, as DataLoader workers do) over FILES files of SIZE bytes,
+the page cache dropped before each pass unless the path says otherwise:
+
+* ``fill``: a file the cache keeps, read for the first time (fetched whole, stored, handed
+  over);
+* ``cached``: the same files again, from the cache disk;
+* ``warm``: again, with the page cache kept (a node whose memory holds the dataset);
+* ``not kept``: a file outside the fraction (``--fraction 0``), read through;
+
+beside the same readers on the local copy (``local``) and on the remote directly
+(``remote``).  Variants (``--variants``) are measured in alternation, ``--repeats`` times, and
+reported as ranges (this machine is shared and noisy):
+
+* ``auto``: the default (kernel passthrough where the kernel offers it);
+* ``off``: ``--passthrough off`` (the daemon serves every read);
+
+Usage::
+
+    python3 -m bench.datapath [--files 3000] [--size 65536] [--readers 8] [--repeats 3]
+        [--variants auto,off] [--profile local]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from bench.driver import drop_page_cache
+from bench.mounts import CachefsMount
+from bench.remote import EmulatedRemote
+
+PATHS = ("fill", "cached", "warm", "not kept")
+VARIANTS = {"auto": ("--passthrough", "auto"), "off": ("--passthrough", "off"),
+            "libfuse": ("--passthrough", "off")}
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (threads included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _read_files(paths: list[str]) -> int:
+    total = 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(1 << 20):
+                total += len(chunk)
+    return total
+
+
+class Readers:
+    """READERS processes, started once, each reading its share of a pass."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._pool = multiprocessing.get_context("fork").Pool(count)
+
+    def read_pass(self, root: Path, names: list[str], *, seed: int, drop: bool = True
+                  ) -> tuple[float, int]:
+        """Read every file once, shuffled; (seconds, bytes)."""
+        order = [str(root / name) for name in names]
+        random.Random(seed).shuffle(order)
+        shares = [order[i::self.count] for i in range(self.count)]
+        if drop:
+            drop_page_cache()
+        started = time.perf_counter()
+        read = sum(self._pool.map(_read_files, shares))
+        return time.perf_counter() - started, read
+
+    def close(self) -> None:
+        self._pool.terminate()
+        self._pool.join()
+
+
+def make_files(root: Path, count: int, size: int) -> list[str]:
+    names = []
+    for i in range(count):
+        name = f"d{i % 32:02d}/f{i:06d}.bin"
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(size))
+        names.append(name)
+    return names
+
+
+class Measurement:
+    """(files/s, daemon CPU us per file, remote CPU us per file) samples by (variant, path)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[tuple[str, str], list[tuple[float, float | None, float | None]]] = \
+            defaultdict(list)
+
+    def add(self, variant: str, path: str, files: int, seconds: float,
+            daemon_cpu: float | None, remote_cpu: float | None) -> None:
+        def per_file(cpu: float | None) -> float | None:
+            return None if cpu is None else cpu / files * 1e6
+
+        self.samples[(variant, path)].append(
+            (files / seconds, per_file(daemon_cpu), per_file(remote_cpu)))
+
+    def table(self) -> str:
+        def span(values: list[float | None], fmt: str) -> str:
+            values = [v for v in values if v is not None]
+            if not values:
+                return "-"
+            low, high = min(values), max(values)
+            return format(low, fmt) if f"{low:{fmt}}" == f"{high:{fmt}}" \
+                else f"{low:{fmt}} - {high:{fmt}}"
+
+        lines = ["| variant | path | files/s | daemon CPU per file (us) | remote CPU per file "
+                 "(us) |", "|---|---|---|---|---|"]
+        for (variant, path), rows in self.samples.items():
+            rate, daemon, remote = zip(*rows, strict=True)
+            lines.append(f"| {variant} | {path} | {span(list(rate), ',.0f')} | "
+                         f"{span(list(daemon), ',.0f')} | {span(list(remote), ',.0f')} |")
+        return "\n".join(lines)
+
+
+def _measure_pass(m: Measurement, readers: Readers, variant: str, path: str, root: Path,
+                  names: list[str], *, daemon_pid: int | None, remote_pid: int | None,
+                  seed: int, drop: bool = True, expect_bytes: int) -> None:
+    before = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
+    seconds, read = readers.read_pass(root, names, seed=seed, drop=drop)
+    after = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
+    if read != expect_bytes:
+        raise SystemExit(f"datapath: {variant}/{path} read {read} bytes, expected {expect_bytes}")
+    used = [None if b is None else a - b for a, b in zip(after, before, strict=True)]
+    m.add(variant, path, len(names), seconds, *used)
+
+
+def run(args: argparse.Namespace) -> Measurement:
+    m = Measurement()
+    work = Path(tempfile.mkdtemp(prefix="cachefs-datapath-"))
+    readers = Readers(args.readers)
+    remote = None
+    try:
+        source = work / "source"
+        names = make_files(source, args.files, args.size)
+        total = args.files * args.size
+        (work / "remote").mkdir()
+        remote = EmulatedRemote(source, work / "remote", profile=args.profile).start()
+        remote_pid = remote._proc.pid if remote._proc else None
+        for repeat in range(args.repeats):
+            seed = repeat
+            _measure_pass(m, readers, "-", "local", source, names, daemon_pid=None,
+                          remote_pid=None, seed=seed, expect_bytes=total)
+            _measure_pass(m, readers, "-", "remote", remote.path, names, daemon_pid=None,
+                          remote_pid=remote_pid, seed=seed, expect_bytes=total)
+            for variant in args.variants:
+                for fraction, paths in ((1.0, ("fill", "cached", "warm")), (0.0, ("not kept",))):
+                    cache = work / f"cache-{variant}-{repeat}-{fraction:g}"
+                    os.environ["CACHEFS_FUSE_STACK"] = "libfuse" if variant == "libfuse" \
+                        else "session"
+                    with CachefsMount(remote.path, work / "mnt", cache,
+                                      cache_size_bytes=4 * total + (256 << 20),
+                                      fraction=fraction, log_file=work / f"{variant}.log",
+                                      extra_args=VARIANTS[variant]) as mount:
+                        for path in paths:
+                            _measure_pass(m, readers, variant, path, mount.path, names,
+                                          daemon_pid=mount.pid, remote_pid=remote_pid,
+                                          seed=seed, drop=path != "warm", expect_bytes=total)
+                    shutil.rmtree(cache, ignore_errors=True)
+            print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    finally:
+        readers.close()
+        if remote is not None:
+            remote.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return m
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m bench.datapath", description=__doc__.split(
+        "\n\n")[0])
+    parser.add_argument("--files", type=int, default=3000)
+    parser.add_argument("--size", type=int, default=65536)
+    parser.add_argument("--readers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", default="local",
+                        help="the emulated remote's latency profile (default: local, none)")
+    parser.add_argument("--variants", default="auto,off",
+                        type=lambda text: [v for v in text.split(",") if v])
+    args = parser.parse_args(argv)
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]!r}: use some of {', '.join(VARIANTS)}")
+    if args.files < 1 or args.size < 1 or args.readers < 1 or args.repeats < 1:
+        parser.error("--files, --size, --readers and --repeats must be positive")
+    print(run(args).table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
