@@ -43,8 +43,7 @@ from bench.mounts import CachefsMount
 from bench.remote import EmulatedRemote
 
 PATHS = ("fill", "cached", "warm", "not kept")
-VARIANTS = {"auto": ("--passthrough", "auto"), "off": ("--passthrough", "off"),
-            "libfuse": ("--passthrough", "off")}
+VARIANTS = {"auto": ("--passthrough", "auto"), "off": ("--passthrough", "off")}
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -165,8 +164,6 @@ def run(args: argparse.Namespace) -> Measurement:
             for variant in args.variants:
                 for fraction, paths in ((1.0, ("fill", "cached", "warm")), (0.0, ("not kept",))):
                     cache = work / f"cache-{variant}-{repeat}-{fraction:g}"
-                    os.environ["CACHEFS_FUSE_STACK"] = "libfuse" if variant == "libfuse" \
-                        else "session"
                     with CachefsMount(remote.path, work / "mnt", cache,
                                       cache_size_bytes=4 * total + (256 << 20),
                                       fraction=fraction, log_file=work / f"{variant}.log",

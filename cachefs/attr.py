@@ -55,17 +55,3 @@ class Attr(NamedTuple):
     def is_symlink(self) -> bool:
         return stat.S_ISLNK(self.mode)
 
-    def as_fuse(self) -> dict[str, int]:
-        """The dict the FUSE binding expects (times in ns: the adapter sets use_ns)."""
-        return {
-            "st_mode": self.mode,
-            "st_size": self.size,
-            "st_uid": self.uid,
-            "st_gid": self.gid,
-            "st_nlink": self.nlink,
-            "st_atime": self.atime_ns,
-            "st_mtime": self.mtime_ns,
-            "st_ctime": self.ctime_ns,
-            # du and `ls -s` through the mount show the remote's logical size.
-            "st_blocks": -(-self.size // 512),
-        }

@@ -126,8 +126,6 @@ def _configure_logging(log_file: Path | None, debug: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)
-    # The binding logs every errno at debug level with a traceback: too much even for --debug.
-    logging.getLogger("fuse").setLevel(logging.WARNING)
 
 
 def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:

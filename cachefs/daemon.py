@@ -39,13 +39,6 @@ from cachefs.tree import CONTROL_NAME, CachedTree
 log = logging.getLogger(__name__)
 
 READY_FD_ENV = "CACHEFS_READY_FD"
-# Which FUSE stack serves the mount: "session" (cachefs/kernel/, the default) or
-# "libfuse" (mfusepy), kept only to measure one against the other.
-FUSE_STACK_ENV = "CACHEFS_FUSE_STACK"
-# Kernel attribute and entry caching when files may change: short, so that the
-# daemon's own --revalidate interval is what bounds staleness.
-MUTABLE_KERNEL_TIMEOUT_SECONDS = 1.0
-IMMUTABLE_KERNEL_TIMEOUT_SECONDS = 86400.0
 
 
 def default_runtime_dir() -> Path:
@@ -148,10 +141,7 @@ class Daemon:
         log.info("mounting %s at %s (cache %s, %d bytes, fraction %g, seed %d)",
                  s.backing, s.mountpoint, s.cache_dir, s.cache_size_bytes, s.fraction, s.seed)
         try:
-            if os.environ.get(FUSE_STACK_ENV, "session") == "libfuse":
-                self._serve_libfuse()
-            else:
-                self._serve_session()
+            self._serve_session()
         finally:
             log.info("unmounted %s", s.mountpoint)
             sdnotify.notify("STOPPING=1")
@@ -177,34 +167,12 @@ class Daemon:
                 signal.signal(sig, handler)
             session.close()
 
-    def _serve_libfuse(self) -> None:
-        from cachefs._fuse import FUSE
-        from cachefs.fuse_ops import CachefsOperations
-
-        s = self.settings
-        timeout = (IMMUTABLE_KERNEL_TIMEOUT_SECONDS if s.revalidate_seconds is None
-                   else min(MUTABLE_KERNEL_TIMEOUT_SECONDS, s.revalidate_seconds))
-        operations = CachefsOperations(
-            self.tree, immutable=s.revalidate_seconds is None,
-            on_mounted=lambda: self._on_mounted(None))
-        options = dict(
-            foreground=True, ro=True, raw_fi=True, default_permissions=True,
-            fsname=str(s.backing), subtype="cachefs",
-            attr_timeout=timeout, entry_timeout=timeout, negative_timeout=0,
-        )
-        if s.allow_other:
-            options["allow_other"] = True
-        FUSE(operations, str(s.mountpoint), **options)
-
-    def _on_mounted(self, connection: Connection | None) -> None:
-        if connection is not None and connection.passthrough:
+    def _on_mounted(self, connection: Connection) -> None:
+        if connection.passthrough:
             self.data_path = "kernel passthrough: the kernel reads local files itself"
-        elif connection is not None:
-            self.data_path = f"served by the daemon: passthrough {connection.passthrough_note}"
         else:
-            self.data_path = "served by the daemon (libfuse)"
-        self.metrics.passthrough.set(1 if connection is not None and connection.passthrough
-                                     else 0)
+            self.data_path = f"served by the daemon: passthrough {connection.passthrough_note}"
+        self.metrics.passthrough.set(1 if connection.passthrough else 0)
         log.info("serving %s at %s; data path: %s", self.settings.backing,
                  self.settings.mountpoint, self.data_path)
         report_ready()

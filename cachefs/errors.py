@@ -4,8 +4,8 @@ Everything below the FUSE adapter raises either a real ``OSError`` from the
 remote (which keeps its errno: ESTALE, EACCES, ENOENT, EIO from NFS mean
 something to a training job) or one of the exceptions defined here.  The
 adapter calls :func:`errno_for` at the boundary and nowhere else; anything it
-does not know becomes EIO and is logged with a traceback, because the bindings
-would otherwise turn a stray exception into EINVAL or EFAULT.
+does not know becomes EIO and is logged with a traceback (a bug, never a fault of
+the reader's making).
 """
 
 from __future__ import annotations

@@ -92,17 +92,6 @@ class OpenFile:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-@dataclass(eq=False)
-class FdFile:
-    """One open() of a file read with pread from a local file that holds all of it (owned:
-    closed at release)."""
-
-    relpath: str
-    attr: Attr
-    fd: int
-    remote_file = None
-
-
 class CachedTree:
     """Lookups, listings and opens of the mirror.  Thread safety: see each collaborator;
     ``_handles`` is a dict mutated only by single atomic operations."""
@@ -125,7 +114,7 @@ class CachedTree:
         self.metrics = metrics
         self.prefetcher = prefetcher
         self.control_target = control_target
-        self._handles: dict[int, OpenFile | FdFile] = {}
+        self._handles: dict[int, OpenFile] = {}
         self._next_handle = itertools.count(1)
         self._read_bytes = {s: metrics.read_bytes.labels(s) for s in READ_SOURCES}
         self._opens = {r: metrics.file_opens.labels(r) for r in OPEN_RESULTS}
@@ -238,25 +227,21 @@ class CachedTree:
             record = None
         return OpenFile(relpath, key, attr, record)
 
-    def register(self, f: OpenFile | FdFile) -> int:
+    def register(self, f: OpenFile) -> int:
         """A handle number for reads of ``f`` through :meth:`read`."""
         handle = next(self._next_handle)
         self._handles[handle] = f
         return handle
 
-    def release(self, handle: int) -> OpenFile | FdFile | None:
+    def release(self, handle: int) -> OpenFile | None:
         """Close a handle; the open file it was, if it was open."""
         f = self._handles.pop(handle, None)
-        if isinstance(f, FdFile):
-            os.close(f.fd)
-        elif f is not None and f.remote_file is not None:
+        if f is not None and f.remote_file is not None:
             f.remote_file.close()
         return f
 
     def read(self, handle: int, size: int, offset: int) -> bytes:
         f = self._handles[handle]
-        if isinstance(f, FdFile):
-            return os.pread(f.fd, size, offset)
         start_offset = offset
         end = min(offset + size, f.attr.size)
         if offset >= end:

@@ -271,43 +271,6 @@ def test_a_file_the_index_cannot_record_is_still_served(source, remote, mount_ca
     assert "Traceback" not in mount.log_file.read_text()
 
 
-def test_unexpected_exceptions_become_eio_with_a_traceback(caplog):
-    """The FUSE adapter's boundary, without a mount: a bug anywhere below it reaches the reader
-    as EIO (never the EINVAL or EFAULT the binding would choose) and is logged with its
-    traceback; errnos from the remote and domain errors keep their meaning."""
-    from cachefs._fuse import FuseOSError
-    from cachefs.errors import RemoteChanged, RemoteUnavailable
-    from cachefs.fuse_ops import CachefsOperations
-
-    class Tree:
-        raised: BaseException
-
-        class metrics:  # noqa: N801 - stands in for the attribute
-            open_seconds = None
-
-        def getattr(self, relpath):
-            raise self.raised
-
-    tree = Tree()
-    ops = CachefsOperations(tree, immutable=False, on_mounted=lambda: None)
-    cases = [(KeyError("bug"), errno.EIO), (ValueError("bug"), errno.EIO),
-             (AttributeError("bug"), errno.EIO), (OSError("no errno"), errno.EIO),
-             (RemoteUnavailable("down"), errno.EIO), (RemoteChanged("changed"), errno.ESTALE),
-             (OSError(errno.ESTALE, "stale"), errno.ESTALE),
-             (OSError(errno.EACCES, "denied"), errno.EACCES),
-             (FileNotFoundError(errno.ENOENT, "gone"), errno.ENOENT)]
-    for raised, want in cases:
-        tree.raised = raised
-        caplog.clear()
-        with caplog.at_level("ERROR", logger="cachefs.fuse_ops"), \
-                pytest.raises(FuseOSError) as info:
-            ops.getattr("/some/file")
-        assert info.value.errno == want, raised
-        unexpected = want == errno.EIO and not isinstance(raised, RemoteUnavailable)
-        tracebacks = [r for r in caplog.records if r.exc_info]
-        assert bool(tracebacks) == unexpected, raised
-
-
 # -- the cache disk fails ----------------------------------------------------------------------
 
 def _log_lines(mount, text: str) -> list[str]:

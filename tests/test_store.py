@@ -227,9 +227,9 @@ class _RaisingTree:
     (ValueError("a bug"), errno.EIO),
     (KeyError("a bug"), errno.EIO),
 ])
-def test_adapter_maps_exceptions_to_errnos(exc, code):
+def test_adapter_maps_exceptions_to_errnos(exc, code, caplog):
     """What the kernel is answered when a lookup fails, through the session's real reply
-    path (into a pipe instead of /dev/fuse)."""
+    path (into a pipe instead of /dev/fuse); only a bug is logged with its traceback."""
     metrics = type("M", (), {"open_seconds": None, "served_reads": None})()
     session = Session(MirrorFS(_RaisingTree(exc), on_mounted=lambda c: None, metrics=metrics))
     read_end, session.fd = os.pipe()
@@ -240,6 +240,8 @@ def test_adapter_maps_exceptions_to_errnos(exc, code):
         os.close(read_end)
         os.close(session.fd)
     assert (length, -error, unique) == (16, code, 7)
+    bug = isinstance(exc, (ValueError, KeyError))
+    assert bool([r for r in caplog.records if r.exc_info]) == bug
 
 
 def test_random_stress_of_store_against_a_model(open_store):
