@@ -3,6 +3,8 @@
 It runs ``python -m bench.slowfs SOURCE MOUNTPOINT --foreground`` as a child process, waits until
 the mount serves, talks to the daemon's control socket (faults, settings, stats) and always
 leaves nothing mounted when stopped. See bench/slowfs.py for what the emulation does.
+``cpu_seconds()`` is the CPU the daemon has used, for benchmarks to report what the emulator took
+from the cores they measure on (bench/remote_cost.py weighs it against the latency injected).
 
     with EmulatedRemote(source, mountpoint, profile="efs") as remote:
         remote.set_fault("errno", errno=errno.EIO, ops=["read"], glob="train/*.jpg")
@@ -63,7 +65,7 @@ class EmulatedRemote:
         for key, value in self._overrides.items():
             if value is not None:
                 args += ["--" + key.replace("_", "-"), repr(float(value))]
-        cmd, env = slowfs.child_command(args)
+        cmd, env = self._command(args)
         try:
             with open(log_path, "ab") as log:
                 start = log.tell()
@@ -113,6 +115,23 @@ class EmulatedRemote:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
+    @property
+    def pid(self) -> int | None:
+        """The daemon's process id while it runs."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def cpu_seconds(self) -> float:
+        """The CPU time (user + system, all threads) the daemon has used since it started.
+
+        Read from /proc, so it answers even while the control socket is busy, and for any
+        version of the daemon; its resolution is the kernel's clock tick (10 ms). A benchmark
+        takes the difference over a run, to show what the emulator took from the cores the
+        daemon under test runs on.
+        """
+        if self.pid is None:
+            raise RuntimeError("the emulated remote is not running")
+        return process_cpu_seconds(self.pid)
+
     def __enter__(self) -> EmulatedRemote:
         return self.start()
 
@@ -142,6 +161,10 @@ class EmulatedRemote:
         reply.pop("ok")
         return reply
 
+    def _command(self, args: list[str]) -> tuple[list[str], dict[str, str]]:
+        """argv and environment of the daemon, given its arguments."""
+        return slowfs.child_command(args)
+
     def _call(self, request: dict[str, Any]) -> dict[str, Any]:
         if self._socket is None or self._proc is None:
             raise RuntimeError("the emulated remote is not running")
@@ -150,6 +173,14 @@ class EmulatedRemote:
         if not reply.get("ok"):
             raise RuntimeError(f"slowfs refused {request}: {reply.get('error')}")
         return reply
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process pid (all its threads), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold ")"
+    # utime and stime are fields 14 and 15 of the line; fields[0] here is field 3 (state).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _tail(log_path: Path, start: int, limit: int = 4000) -> str:

@@ -1,36 +1,54 @@
-"""slowfs: a read-only FUSE passthrough that behaves like AWS EFS or GCP Filestore from a node.
+"""slowfs: a read-only FUSE file system that behaves like AWS EFS or GCP Filestore from a node.
 
 The kernel on our machines has no NFS client, so tests and benchmarks of cachefs need a stand-in
 for the slow remote share. slowfs serves a plain local directory (SOURCE) at MOUNTPOINT and adds
 what makes a network file system different from a local disk:
 
-* latency: every metadata op (getattr, readdir, readlink, access, statfs, opendir) sleeps
-  ``meta_ms``, every open ``open_ms``, every read ``read_ms``;
+* latency: every metadata op (getattr, which includes the kernel's lookups of names, readdir,
+  readlink, access, statfs, opendir) takes ``meta_ms``, every open ``open_ms``, every read
+  ``read_ms``; errors from SOURCE (ENOENT...) come after the same latency;
 * one shared link: all reads queue on a single link of ``bandwidth_mbps`` (MB = 1e6 bytes), so
   concurrent readers share the bandwidth while their latencies overlap;
-* no client-side caching: the mount uses direct_io and zero attr/entry/negative timeouts, so a
-  change a test makes in SOURCE is visible through the mount at once;
-* NFS semantics for open files: a read on a file that was removed or replaced in SOURCE since it
-  was opened fails with ESTALE, as it does for a second NFS client;
+* no client-side caching: opens are direct_io and entries and attributes have zero timeouts, so
+  a change a test makes in SOURCE is visible through the mount at once;
+* NFS semantics for open files: a read (or an lseek to the end) on a file that was removed or
+  replaced in SOURCE since it was opened fails with ESTALE, as it does for a second NFS client;
 * faults injected while mounted, through a control Unix socket (one JSON object per line, one
   JSON reply per line): ``fault`` (``errno`` or ``hang``), ``clear``, ``set``, ``stats``.
 
 Fault filters: ``ops`` is a list of op names from FAULT_OPS (omitted: all of them); ``glob`` is
 an fnmatch pattern matched against the path relative to the mount root, without a leading slash
 (omitted: every path). The root itself is the empty string, so only ``*`` or an omitted glob
-matches it, and ``*`` also matches across ``/`` (fnmatch semantics). An injected error fails the
-op at once, without its latency. A hang blocks until ``clear`` (then the op proceeds normally), for
-at most HANG_LIMIT_S, after which it fails with ETIMEDOUT.
+matches it, and ``*`` also matches across ``/`` (fnmatch semantics). A lookup of a name is the
+``getattr`` of its path. An injected error fails the op at once, without its latency. A hang
+holds the op until ``clear`` (then the op proceeds normally), for at most HANG_LIMIT_S, after
+which it fails with ETIMEDOUT.
+
+How it waits: slowfs speaks the kernel's low-level protocol through cachefs's own FUSE session
+(cachefs/kernel/session.py). A request does its local work (lstat, open, pread) at once on a
+serving thread and its answer is queued on one timer thread for the moment its latency has
+passed; a hung request is parked until released. So a waiting request holds no thread, and the
+emulator's own CPU per file is a small fraction of the latency it injects, which matters because
+it shares the machine's cores with the daemon under test (``python -m bench.remote_cost``
+measures it; ``stats`` reports ``cpu_seconds``).
 
 Where it differs from a real NFS mount (on purpose or by FUSE's nature):
 
-* shared mmap of a file fails with ENODEV (a direct_io limit of libfuse 2); private mmap works;
+* shared mmap of a file fails with ENODEV (the kernel allows it on a direct_io file only when
+  the session asks for FUSE_DIRECT_IO_ALLOW_MMAP, which cachefs's session does not); private
+  mmap works;
 * a process blocked in a hung op cannot be killed until the hang is cleared or the daemon goes
   (a FUSE request in flight is uninterruptible), so always clear faults: EmulatedRemote.stop()
   does, and SIGTERM does;
-* inode numbers are SOURCE's (use_ino), so SOURCE should be a single file system;
-* release and releasedir take no latency and no faults (close() does not wait for them);
-* no extended attributes (EOPNOTSUPP), as on an NFS share without xattr support.
+* inode numbers are SOURCE's, so SOURCE should be a single file system; the kernel's node ids
+  are one per path, so a file replaced under an open descriptor keeps its kernel inode (reads
+  on it fail with ESTALE) while a new open gets the new file;
+* release and releasedir take no latency and no faults (close() does not wait for them), nor
+  do readdir's later pages of a listing (the listing is taken, and paid for, at its start);
+* no extended attributes (EOPNOTSUPP), as on an NFS share without xattr support;
+* permissions are the daemon's, as before: the kernel checks no mode bits (no
+  default_permissions), access(2) is the daemon's own access(2) on SOURCE, and only the user
+  who mounted may use the mount (no allow_other).
 
 Usage::
 
@@ -42,6 +60,10 @@ Usage::
 Without --foreground the command returns once the mount serves (exit 0) or has failed (exit 1,
 one line on stderr), like mount(8), and the daemon goes on in the background; without --log-file
 a background daemon's log is discarded. SIGTERM, SIGINT and SIGHUP unmount cleanly.
+
+Lock order: every lock here is a leaf (``Link._lock``, ``Faults._lock``, ``Timer._lock``,
+``Emulator._lock``, ``SlowFS._lock``): none is held across a call that takes another, and
+callbacks (a parked request's resume or fail, the timer's) run with no lock held.
 """
 
 from __future__ import annotations
@@ -49,11 +71,14 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
+import heapq
+import itertools
 import json
 import logging
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -64,22 +89,29 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from mfusepy import FUSE, FuseOSError, Operations
+from cachefs.kernel import protocol as p
+from cachefs.kernel.mount import MountOptions
+from cachefs.kernel.session import DEFERRED, Connection, Filesystem, Request, Session
 
 log = logging.getLogger("slowfs")
 
-# mfusepy decodes kernel paths with this codec; we encode them back with the same one so names
-# that are not valid UTF-8 reach SOURCE byte for byte.
+# Names reach us as bytes; fault globs are matched against them decoded with this codec, which
+# keeps names that are not valid UTF-8 (as mfusepy, the binding we used before, did).
 FUSE_ENCODING = "utf-8"
 FUSE_ERRORS = "surrogateescape"
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FAULT_OPS = ("getattr", "readdir", "readlink", "access", "statfs", "opendir", "open", "read")
+# The setting whose latency each op pays (release and releasedir pay none).
+LATENCY_OF = {"getattr": "meta_ms", "readdir": "meta_ms", "readlink": "meta_ms",
+              "access": "meta_ms", "statfs": "meta_ms", "opendir": "meta_ms",
+              "open": "open_ms", "read": "read_ms"}
 HANG_LIMIT_S = 3600.0
 CONTROL_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 20.0
@@ -121,7 +153,9 @@ PROFILES: dict[str, Settings] = {
 
 
 class Link:
-    """A single network link shared by all readers: transfers are served one after another."""
+    """A single network link shared by all readers: transfers are served one after another.
+
+    Thread safety: ``_lock`` guards ``_free_at``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -131,11 +165,64 @@ class Link:
         """Queue nbytes that the server can start sending at ready_at; return when they arrive."""
         if not mbps:
             return ready_at
-        # Only the bookkeeping is under the lock; callers sleep without holding it.
         with self._lock:
             start = max(ready_at, self._free_at)
             self._free_at = start + nbytes / (mbps * 1e6)
             return self._free_at
+
+
+class Timer:
+    """One thread that runs callbacks when they fall due: how a request waits without a thread
+    of its own.
+
+    The thread sleeps on ``_wake`` (a lock that is held while no wake is pending) until the
+    earliest callback is due; ``at`` releases it only when the new callback is due before the
+    thread would wake, so a busy timer is woken about once per due time, not once per call.
+
+    Thread safety: ``_lock`` guards ``_heap``, ``_wakes_at`` and the state of ``_wake``;
+    callbacks run on the timer's thread without it, one after another, so a callback must
+    not block.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Lock()
+        self._wake.acquire()
+        self._heap: list[tuple[float, int, Callable[..., Any], tuple]] = []
+        self._wakes_at = math.inf  # when the thread wakes by itself
+        self._serial = itertools.count()  # orders callbacks due at the same time, first in first
+        threading.Thread(target=self._run, name="timer", daemon=True).start()
+
+    def at(self, due: float, callback: Callable[..., Any], *args: Any) -> None:
+        """Run callback(*args) at time.monotonic() ``due`` (at once if that has passed)."""
+        with self._lock:
+            heapq.heappush(self._heap, (due, next(self._serial), callback, args))
+            if due < self._wakes_at:
+                self._wakes_at = due
+                if self._wake.locked():
+                    self._wake.release()
+
+    def _run(self) -> None:
+        heap = self._heap
+        pop = heapq.heappop
+        monotonic = time.monotonic
+        while True:
+            with self._lock:
+                now = monotonic()
+                batch = []
+                while heap and heap[0][0] <= now:
+                    batch.append(pop(heap))
+                self._wakes_at = heap[0][0] if heap else math.inf
+            for _due, _serial, callback, args in batch:
+                try:
+                    callback(*args)
+                except Exception:
+                    log.exception("timer callback %r failed", callback)
+            delay = self._wakes_at - monotonic()
+            if delay > 0:
+                self._wake.acquire(timeout=min(delay, threading.TIMEOUT_MAX))
+            else:  # due already: consume a wake that may be pending, and go round again
+                self._wake.acquire(blocking=False)
 
 
 @dataclass(frozen=True)
@@ -165,113 +252,144 @@ class Fault:
 
 
 class Faults:
-    """The injected faults; ops consult them, the control socket changes them."""
+    """The injected faults; requests consult them, the control socket changes them.
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
+    A request that meets a hang is parked here without a thread: ``clear`` resumes it (on the
+    timer's thread), HANG_LIMIT_S fails it with ETIMEDOUT and ``close`` with EIO.
+
+    Thread safety: ``_lock`` guards ``_faults``, ``_parked``, ``_closed`` and the counters;
+    ``_faults`` is replaced, never changed in place, so ``match`` may test it without the lock.
+    """
+
+    def __init__(self, timer: Timer) -> None:
+        self._timer = timer
+        self._lock = threading.Lock()
         self._faults: list[Fault] = []
-        self._epoch = 0  # bumped by clear(): a hung op waits for it to change
+        # Parked requests by serial number: (resume(), fail(errno)).
+        self._parked: dict[int, tuple[Callable[[], None], Callable[[int], None]]] = {}
+        self._serial = itertools.count()
         self._closed = False
         self.errors_injected = 0
         self.hangs_injected = 0
-        self.hung_now = 0
+
+    @property
+    def hung_now(self) -> int:
+        return len(self._parked)
 
     def add(self, fault: Fault) -> None:
-        with self._cond:
+        with self._lock:
             self._faults = [*self._faults, fault]
 
     def clear(self) -> None:
-        with self._cond:
+        """Remove every fault and let the parked requests proceed."""
+        with self._lock:
             self._faults = []
-            self._epoch += 1
-            self._cond.notify_all()
+            parked, self._parked = list(self._parked.values()), {}
+        for resume, _fail in parked:
+            self._timer.at(0.0, resume)
 
     def close(self) -> None:
-        """Release every hung op for good: the file system is going away."""
-        with self._cond:
+        """Fail every parked request, and any hang from now on: the file system is going away."""
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            parked, self._parked = list(self._parked.values()), {}
+        for _resume, fail in parked:
+            fail(errno.EIO)
 
     def describe(self) -> list[dict[str, Any]]:
         return [asdict(f) for f in self._faults]
 
-    def check(self, op: str, rel: str) -> None:
-        """Raise the injected errno, or block while a hang matches op on path rel."""
-        if not self._faults:  # the common case, without taking the lock
-            return
-        with self._cond:
-            fault = next((f for f in self._faults if f.matches(op, rel)), None)
-            if fault is None:
-                return
-            if fault.kind == "errno":
+    def match(self, op: str, rel: bytes) -> Fault | None:
+        """The first fault that matches op on path rel (relative, bytes), or None."""
+        if not self._faults:  # the common case, without decoding or locking
+            return None
+        text = rel.decode(FUSE_ENCODING, FUSE_ERRORS)
+        with self._lock:
+            fault = next((f for f in self._faults if f.matches(op, text)), None)
+            if fault is not None and fault.kind == "errno":
                 self.errors_injected += 1
-                raise FuseOSError(fault.errno)
-            self.hangs_injected += 1
-            self.hung_now += 1
-            epoch = self._epoch
-            try:
-                released = self._cond.wait_for(
-                    lambda: self._epoch != epoch or self._closed, timeout=HANG_LIMIT_S
-                )
-            finally:
-                self.hung_now -= 1
-            if self._closed:
-                raise FuseOSError(errno.EIO)
-            if not released:
-                raise FuseOSError(errno.ETIMEDOUT)
+            return fault
+
+    def park(self, fault: Fault, resume: Callable[[], None], fail: Callable[[int], None]) -> None:
+        """Hold a request that met the hang ``fault`` until clear() (then resume()) or a
+        failure (fail(errno)). If the fault went meanwhile, resume at once."""
+        with self._lock:
+            closed = self._closed
+            present = any(f is fault for f in self._faults)
+            if present and not closed:
+                key = next(self._serial)
+                self._parked[key] = (resume, fail)
+                self.hangs_injected += 1
+        if closed:
+            fail(errno.EIO)
+        elif not present:
+            resume()
+        else:
+            self._timer.at(time.monotonic() + HANG_LIMIT_S, self._expire, key)
+
+    def _expire(self, key: int) -> None:
+        with self._lock:
+            parked = self._parked.pop(key, None)
+        if parked is not None:
+            parked[1](errno.ETIMEDOUT)
 
 
 class Emulator:
-    """What makes SOURCE look remote: settings, the shared link, faults and counters."""
+    """What makes SOURCE look remote: settings, the shared link, the timer, faults and counters.
+
+    Thread safety: ``_lock`` guards the counters; settings change by whole attributes.
+    """
 
     def __init__(self, source: bytes, settings: Settings) -> None:
         self.source = source
         self.settings = settings
         self.link = Link()
-        self.faults = Faults()
+        self.timer = Timer()
+        self.faults = Faults(self.timer)
         self._lock = threading.Lock()
         self._ops: Counter[str] = Counter()
         self._read_bytes = 0
         self._opens = 0
-        # Requests being served now, and the most at once: how parallel the client is.
+        # Requests from their arrival to their answer, and the most at once: how parallel the
+        # client is (a waiting request is in flight without a thread).
         self._in_flight = 0
         self._peak_in_flight = 0
 
-    def entered(self) -> None:
+    def entered(self, op: str) -> None:
         with self._lock:
+            self._ops[op] += 1
             self._in_flight += 1
             self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
 
-    def left(self) -> None:
+    def left(self, read_bytes: int = 0) -> None:
         with self._lock:
             self._in_flight -= 1
+            self._read_bytes += read_bytes
 
-    def begin(self, op: str, path: str | None, latency_ms: float = 0.0) -> None:
-        """Account for op on path, apply matching faults, then pay its latency."""
+    def counted(self, op: str) -> None:
+        """An op that is answered at once, without latency or faults."""
         with self._lock:
             self._ops[op] += 1
-        self.faults.check(op, (path or "/")[1:])
-        if latency_ms > 0:
-            time.sleep(latency_ms / 1000)
 
     def opened(self) -> None:
         with self._lock:
             self._opens += 1
 
-    def deliver(self, started: float, nbytes: int) -> None:
-        """Sleep until a read started at `started` has paid read_ms and crossed the link."""
-        ready_at = started + self.settings.read_ms / 1000
-        done_at = self.link.reserve(ready_at, nbytes, self.settings.bandwidth_mbps)
-        delay = done_at - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        with self._lock:
-            self._read_bytes += nbytes
+    def due(self, op: str, started: float, nbytes: int = 0) -> float:
+        """When the answer to op, begun at started, may go: its latency, and for a read the
+        transfer of nbytes on the shared link."""
+        settings = self.settings
+        ready_at = started + getattr(settings, LATENCY_OF[op]) / 1000
+        if op != "read":
+            return ready_at
+        return self.link.reserve(ready_at, nbytes, settings.bandwidth_mbps)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             counters = {"ops": dict(self._ops), "read_bytes": self._read_bytes,
-                        "opens": self._opens, "peak_in_flight": self._peak_in_flight}
+                        "opens": self._opens, "in_flight": self._in_flight,
+                        "peak_in_flight": self._peak_in_flight}
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         return {
             **counters,
             "errors_injected": self.faults.errors_injected,
@@ -280,6 +398,11 @@ class Emulator:
             "faults": self.faults.describe(),
             "settings": asdict(self.settings),
             "pid": os.getpid(),
+            # The daemon's own CPU (all threads, user + system) since it started.
+            "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 6),
+            "cpu_user_seconds": round(usage.ru_utime, 6),
+            "cpu_system_seconds": round(usage.ru_stime, 6),
+            "threads": threading.active_count(),
         }
 
     def command(self, req: Any) -> dict[str, Any]:
@@ -304,169 +427,319 @@ class Emulator:
         return {"ok": True}
 
 
-def _errno_guard(method):
-    """Keep real errnos; turn anything unexpected into a logged EIO (mfusepy would say EINVAL).
-    Also counts the request in flight while it is served."""
+def _attr(st: os.stat_result) -> bytes:
+    """SOURCE's attributes as a ``struct fuse_attr``: its inode numbers, its blocks."""
+    a_s, a_n = divmod(st.st_atime_ns, 10**9)
+    m_s, m_n = divmod(st.st_mtime_ns, 10**9)
+    c_s, c_n = divmod(st.st_ctime_ns, 10**9)
+    wide = 0xFFFF_FFFF_FFFF_FFFF  # times before 1970 as the kernel's signed seconds
+    return p.ATTR.pack(st.st_ino, st.st_size, st.st_blocks, a_s & wide, m_s & wide, c_s & wide,
+                       a_n, m_n, c_n, st.st_mode, st.st_nlink, st.st_uid, st.st_gid,
+                       st.st_rdev & 0xFFFF_FFFF, st.st_blksize, 0)
 
-    @functools.wraps(method)
-    def guarded(self, *args):
-        self.emu.entered()
-        try:
-            return method(self, *args)
-        except OSError as e:
-            if isinstance(e.errno, int) and e.errno > 0:
-                raise
-            log.exception("%s%r: OSError without an errno, returning EIO", method.__name__, args)
-            raise FuseOSError(errno.EIO) from e
-        except Exception as e:
-            log.exception("%s%r failed unexpectedly, returning EIO", method.__name__, args)
-            raise FuseOSError(errno.EIO) from e
-        finally:
-            self.emu.left()
 
-    return guarded
+def _dirent_mode(entry: os.DirEntry) -> int:
+    # Only the file type and inode reach the kernel; d_type spares an lstat per name.
+    if entry.is_symlink():
+        return stat.S_IFLNK
+    if entry.is_dir(follow_symlinks=False):
+        return stat.S_IFDIR
+    if entry.is_file(follow_symlinks=False):
+        return stat.S_IFREG
+    return stat.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
+
+
+class Node:
+    """A path the kernel knows by a node id, and how many lookups of it it counts."""
+
+    __slots__ = ("rel", "lookups")
+
+    def __init__(self, rel: bytes, lookups: int = 0) -> None:
+        self.rel = rel  # relative to SOURCE, without a leading slash; b"" for the root
+        self.lookups = lookups
 
 
 @dataclass(frozen=True)
 class Handle:
     fd: int
-    path: str  # as mfusepy gives it, for fault globs
     src: bytes  # the file in SOURCE
     ident: tuple[int, int]  # (st_dev, st_ino) at open: what an NFS file handle pins down
 
 
-class SlowFS(Operations):
-    """Thin FUSE adapter: each op is the local call on SOURCE, after Emulator.begin()."""
+class SlowFS(Filesystem):
+    """Thin adapter from the kernel's requests to SOURCE: node ids to paths, the local call's
+    result or errno to a reply, answered when the Emulator says it is due.
 
-    use_ns = True
+    Every answered request goes through ``_request``: counted, checked against the faults,
+    its work done at once, its answer sent now or queued on the timer. The handlers return
+    DEFERRED: the answer is always sent here (from the serving thread or the timer's), and
+    a reply the kernel no longer waits for undoes what it stood for (a lookup, an open).
+
+    Thread safety: ``_lock`` guards the node table (``_nodes``, ``_ids`` and each Node's
+    ``lookups``). ``_handles`` and ``_dirs`` change by single dictionary operations, each on a
+    key that only one request at a time uses (the kernel sends nothing for a handle before
+    its open is answered nor after its release).
+    """
 
     def __init__(self, emu: Emulator) -> None:
         self.emu = emu
+        self.session: Session | None = None
+        self._lock = threading.Lock()
+        self._nodes: dict[int, Node] = {p.ROOT_ID: Node(b"", 1)}
+        self._ids: dict[bytes, int] = {b"": p.ROOT_ID}
+        self._next_id = itertools.count(p.ROOT_ID + 1)
         self._handles: dict[int, Handle] = {}
+        self._dirs: dict[int, list[bytes] | None] = {}  # dirents, once the listing is taken
+        self._next_dir = itertools.count(1)
 
-    def _src(self, path: str) -> bytes:
-        return self.emu.source + path.encode(FUSE_ENCODING, FUSE_ERRORS)
+    # -- the session's calls ---------------------------------------------------------------
 
-    def _check_same_file(self, h: Handle) -> None:
+    def init(self, session: Session, connection: Connection) -> None:
+        self.session = session
+        log.info("serving (FUSE 7.%d)", connection.minor)
+
+    def close(self) -> None:
+        """Close what SOURCE files are still open (the mount is gone)."""
+        for fh in list(self._handles):
+            self._close(fh)
+
+    def lookup(self, req: Request, parent: int, name: bytes) -> object:
+        parent_rel = self._node(parent).rel
+        rel = parent_rel + b"/" + name if parent_rel else name
+        return self._request(req, "getattr", rel, self._lookup, (rel,), on_lost=self._unlook)
+
+    def forget(self, nodeid: int, nlookup: int) -> None:
+        with self._lock:
+            node = self._nodes.get(nodeid)
+            if node is None or nodeid == p.ROOT_ID:
+                return
+            node.lookups -= nlookup
+            if node.lookups <= 0:
+                del self._nodes[nodeid]
+                if self._ids.get(node.rel) == nodeid:
+                    del self._ids[node.rel]
+
+    def getattr(self, req: Request, nodeid: int, fh: int | None) -> object:
+        rel = self._node(nodeid).rel
+        return self._request(req, "getattr", rel, self._getattr, (rel, fh))
+
+    def readlink(self, req: Request, nodeid: int) -> object:
+        rel = self._node(nodeid).rel
+        return self._request(req, "readlink", rel, self._readlink, (rel,))
+
+    def access(self, req: Request, nodeid: int, mask: int) -> object:
+        rel = self._node(nodeid).rel
+        return self._request(req, "access", rel, self._access, (rel, mask))
+
+    def statfs(self, req: Request, nodeid: int) -> object:
+        rel = self._node(nodeid).rel
+        return self._request(req, "statfs", rel, self._statfs, (rel,))
+
+    def opendir(self, req: Request, nodeid: int, flags: int) -> object:
+        rel = self._node(nodeid).rel
+        return self._request(req, "opendir", rel, self._opendir, (rel,), on_lost=self._unopendir)
+
+    def readdir(self, req: Request, nodeid: int, fh: int, offset: int, size: int,
+                plus: bool) -> object:
+        if offset:  # a later page of a listing taken (and paid for) at offset 0
+            entries = self._dirs.get(fh)
+            if entries is None:
+                raise OSError(errno.EBADF, "directory not listed")
+            return self._page(entries, offset, size)
+        rel = self._node(nodeid).rel
+        return self._request(req, "readdir", rel, self._readdir, (rel, fh, size))
+
+    def releasedir(self, req: Request, nodeid: int, fh: int) -> None:
+        self.emu.counted("releasedir")
+        self._dirs.pop(fh, None)
+
+    def open(self, req: Request, nodeid: int, flags: int) -> object:
+        rel = self._node(nodeid).rel
+        return self._request(req, "open", rel, self._open, (rel, flags), on_lost=self._unopen)
+
+    def read(self, req: Request, nodeid: int, fh: int, offset: int, size: int) -> object:
+        rel = self._node(nodeid).rel
+        return self._request(req, "read", rel, self._read, (fh, offset, size))
+
+    def release(self, req: Request, nodeid: int, fh: int) -> None:
+        self.emu.counted("release")
+        self._close(fh)
+
+    # -- answering ---------------------------------------------------------------------------
+
+    def _request(self, req: Request, op: str, rel: bytes, work: Callable[..., bytes],
+                 args: tuple, on_lost: Callable[[bytes], None] | None = None) -> object:
+        """Count op, apply the faults on rel, then do work(*args) and answer when due."""
+        emu = self.emu
+        emu.entered(op)
+        fault = emu.faults.match(op, rel)
+        if fault is None:
+            self._proceed(req.unique, op, work, args, on_lost)
+        elif fault.kind == "errno":
+            self._send(req.unique, fault.errno, op, None)
+        else:
+            emu.faults.park(fault,
+                            functools.partial(self._proceed, req.unique, op, work, args, on_lost),
+                            functools.partial(self._fail, req.unique, op))
+        return DEFERRED
+
+    def _proceed(self, unique: int, op: str, work: Callable[..., bytes], args: tuple,
+                 on_lost: Callable[[bytes], None] | None) -> None:
+        started = time.monotonic()
+        try:
+            outcome: bytes | int = work(*args)
+        except OSError as exc:
+            outcome = exc.errno if isinstance(exc.errno, int) and exc.errno > 0 else \
+                self._unexpected(exc, op)
+        except Exception as exc:
+            outcome = self._unexpected(exc, op)
+        due = self.emu.due(op, started, len(outcome) if isinstance(outcome, bytes) else 0)
+        if due > time.monotonic():
+            self.emu.timer.at(due, self._send, unique, outcome, op, on_lost)
+        else:
+            self._send(unique, outcome, op, on_lost)
+
+    def _send(self, unique: int, outcome: bytes | int, op: str,
+              on_lost: Callable[[bytes], None] | None) -> None:
+        """Answer a request: a reply body, a read's data, or an errno."""
+        session = self.session
+        read_bytes = 0
+        try:
+            if isinstance(outcome, int):
+                session.reply_error(unique, outcome)
+            elif op == "read":
+                session.reply_data(unique, outcome)
+                read_bytes = len(outcome)
+            elif not session.reply(unique, outcome) and on_lost is not None:
+                on_lost(outcome)  # the kernel never counted it (its caller was interrupted)
+        finally:
+            self.emu.left(read_bytes)
+
+    def _fail(self, unique: int, op: str, code: int) -> None:
+        self._send(unique, code, op, None)
+
+    @staticmethod
+    def _unexpected(exc: BaseException, op: str) -> int:
+        log.error("%s failed unexpectedly, answering EIO", op, exc_info=exc)
+        return errno.EIO
+
+    # -- the work, on SOURCE ----------------------------------------------------------------
+
+    def _node(self, nodeid: int) -> Node:
+        node = self._nodes.get(nodeid)
+        if node is None:  # forgotten: the kernel does not ask about those
+            raise OSError(errno.ESTALE, "unknown node")
+        return node
+
+    def _src(self, rel: bytes) -> bytes:
+        return self.emu.source + b"/" + rel if rel else self.emu.source
+
+    def _lookup(self, rel: bytes) -> bytes:
+        attr = _attr(os.lstat(self._src(rel)))
+        with self._lock:
+            nodeid = self._ids.get(rel)
+            if nodeid is None:
+                nodeid = next(self._next_id)
+                self._ids[rel] = nodeid
+                self._nodes[nodeid] = Node(rel)
+            self._nodes[nodeid].lookups += 1
+        return p.entry_out(nodeid, 0, 0.0, 0.0, attr)
+
+    def _unlook(self, body: bytes) -> None:
+        self.forget(int.from_bytes(body[:8], "little"), 1)
+
+    def _check_same_file(self, handle: Handle) -> None:
         """ESTALE if SOURCE no longer has the file that was opened (removed or replaced)."""
         try:
-            st = os.lstat(h.src)
+            st = os.lstat(handle.src)
         except (FileNotFoundError, NotADirectoryError):
-            raise FuseOSError(errno.ESTALE) from None
-        if (st.st_dev, st.st_ino) != h.ident:
-            raise FuseOSError(errno.ESTALE)
+            raise OSError(errno.ESTALE, "removed") from None
+        if (st.st_dev, st.st_ino) != handle.ident:
+            raise OSError(errno.ESTALE, "replaced")
 
-    def init(self, path: str) -> None:
-        log.info("serving")
-
-    def destroy(self, path: str) -> None:
-        for fh in list(self._handles):
-            os.close(self._handles.pop(fh).fd)
-
-    @_errno_guard
-    def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
-        self.emu.begin("getattr", path, self.emu.settings.meta_ms)
-        h = self._handles.get(fh) if fh is not None else None
-        if h is not None:  # by open file (lseek SEEK_END; fstat comes by path): NFS uses its handle
-            self._check_same_file(h)
-            st = os.fstat(h.fd)
+    def _getattr(self, rel: bytes, fh: int | None) -> bytes:
+        handle = self._handles.get(fh) if fh is not None else None
+        if handle is not None:  # by open file (lseek SEEK_END): NFS uses its file handle
+            self._check_same_file(handle)
+            st = os.fstat(handle.fd)
         else:
-            st = os.lstat(self._src(path))
-        attrs = {key: getattr(st, key) for key in (
-            "st_mode", "st_ino", "st_nlink", "st_uid", "st_gid", "st_size", "st_blocks", "st_rdev")}
-        for key in ("st_atime", "st_mtime", "st_ctime"):
-            attrs[key] = getattr(st, key + "_ns")
-        return attrs
+            st = os.lstat(self._src(rel))
+        return p.attr_out(0.0, _attr(st))
 
-    @_errno_guard
-    def readlink(self, path: str) -> str:
-        self.emu.begin("readlink", path, self.emu.settings.meta_ms)
-        return os.readlink(self._src(path)).decode(FUSE_ENCODING, FUSE_ERRORS)
+    def _readlink(self, rel: bytes) -> bytes:
+        return os.readlink(self._src(rel))
 
-    @_errno_guard
-    def access(self, path: str, amode: int) -> int:
-        self.emu.begin("access", path, self.emu.settings.meta_ms)
-        if amode & os.W_OK:
-            raise FuseOSError(errno.EROFS)
-        if not os.access(self._src(path), amode):
-            raise FuseOSError(errno.EACCES)
-        return 0
+    def _access(self, rel: bytes, mask: int) -> bytes:
+        if mask & os.W_OK:
+            raise OSError(errno.EROFS, "read-only")
+        if not os.access(self._src(rel), mask):
+            raise OSError(errno.EACCES, "no access")
+        return b""
 
-    @_errno_guard
-    def statfs(self, path: str) -> dict[str, int]:
-        self.emu.begin("statfs", path, self.emu.settings.meta_ms)
-        sv = os.statvfs(self._src(path))
-        return {key: getattr(sv, key) for key in (
-            "f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree",
-            "f_favail", "f_namemax")}
+    def _statfs(self, rel: bytes) -> bytes:
+        return p.statfs_out(os.statvfs(self._src(rel)))
 
-    @_errno_guard
-    def opendir(self, path: str) -> int:
-        self.emu.begin("opendir", path, self.emu.settings.meta_ms)
-        if not stat.S_ISDIR(os.lstat(self._src(path)).st_mode):
-            raise FuseOSError(errno.ENOTDIR)
-        return 0
+    def _opendir(self, rel: bytes) -> bytes:
+        if not stat.S_ISDIR(os.lstat(self._src(rel)).st_mode):
+            raise OSError(errno.ENOTDIR, "not a directory")
+        fh = next(self._next_dir)
+        self._dirs[fh] = None
+        return p.open_out(fh, 0)
 
-    @_errno_guard
-    def readdir(self, path: str, fh: int) -> list[tuple[str, dict[str, int], int]]:
-        self.emu.begin("readdir", path, self.emu.settings.meta_ms)
-        entries = [(".", {"st_mode": stat.S_IFDIR}, 0), ("..", {"st_mode": stat.S_IFDIR}, 0)]
-        with os.scandir(self._src(path)) as it:
-            for entry in it:
-                # Only the file type and inode reach the kernel; d_type spares an lstat per name.
-                if entry.is_symlink():
-                    mode = stat.S_IFLNK
-                elif entry.is_dir(follow_symlinks=False):
-                    mode = stat.S_IFDIR
-                elif entry.is_file(follow_symlinks=False):
-                    mode = stat.S_IFREG
-                else:
-                    mode = stat.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
-                name = entry.name.decode(FUSE_ENCODING, FUSE_ERRORS)
-                entries.append((name, {"st_mode": mode, "st_ino": entry.inode()}, 0))
-        return entries
+    def _unopendir(self, body: bytes) -> None:
+        self._dirs.pop(p.OPEN_OUT.unpack_from(body)[0], None)
 
-    @_errno_guard
-    def releasedir(self, path: str, fh: int) -> int:
-        self.emu.begin("releasedir", path)
-        return 0
+    def _readdir(self, rel: bytes, fh: int, size: int) -> bytes:
+        if fh not in self._dirs:
+            raise OSError(errno.EBADF, "directory not open")
+        src = self._src(rel)
+        here, parent = os.lstat(src).st_ino, os.lstat(src + b"/..").st_ino
+        names = [(b".", here, stat.S_IFDIR), (b"..", parent, stat.S_IFDIR)]
+        with os.scandir(src) as it:
+            names += [(entry.name, entry.inode(), _dirent_mode(entry)) for entry in it]
+        entries = [p.dirent(ino, index + 1, mode, name)
+                   for index, (name, ino, mode) in enumerate(names)]
+        self._dirs[fh] = entries
+        return self._page(entries, 0, size)
 
-    @_errno_guard
-    def open(self, path: str, flags: int) -> int:
-        self.emu.begin("open", path, self.emu.settings.open_ms)
+    @staticmethod
+    def _page(entries: list[bytes], offset: int, size: int) -> bytes:
+        """The dirents from offset on that fit in size bytes."""
+        out: list[bytes] = []
+        used = 0
+        for record in itertools.islice(entries, offset, None):
+            used += len(record)
+            if used > size:
+                break
+            out.append(record)
+        return b"".join(out)
+
+    def _open(self, rel: bytes, flags: int) -> bytes:
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-            raise FuseOSError(errno.EROFS)
-        src = self._src(path)
+            raise OSError(errno.EROFS, "read-only")
+        src = self._src(rel)
         fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        st = os.fstat(fd)
-        self._handles[fd] = Handle(fd, path, src, (st.st_dev, st.st_ino))
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._handles[fd] = Handle(fd, src, (st.st_dev, st.st_ino))
         self.emu.opened()
-        return fd
+        return p.open_out(fd, p.FOPEN_DIRECT_IO)
 
-    @_errno_guard
-    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-        h = self._handles[fh]
-        self.emu.begin("read", h.path)
-        started = time.monotonic()
-        self._check_same_file(h)
-        data = os.pread(h.fd, size, offset)
-        self.emu.deliver(started, len(data))
-        return data
+    def _unopen(self, body: bytes) -> None:
+        self._close(p.OPEN_OUT.unpack_from(body)[0])
 
-    @_errno_guard
-    def release(self, path: str, fh: int) -> int:
-        self.emu.begin("release", path)
-        h = self._handles.pop(fh, None)
-        if h is not None:
-            os.close(h.fd)
-        return 0
+    def _close(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if handle is not None:
+            os.close(handle.fd)
 
-    def _read_only(self, *args: Any) -> int:
-        raise FuseOSError(errno.EROFS)
-
-    # The mount is also mounted "ro", so the kernel refuses most of these before they get here.
-    chmod = chown = create = link = mkdir = mknod = rename = rmdir = _read_only
-    setxattr = removexattr = symlink = truncate = unlink = utimens = write = _read_only
+    def _read(self, fh: int, offset: int, size: int) -> bytes:
+        handle = self._handles[fh]  # a KeyError (a handle never given out) is a bug: EIO
+        self._check_same_file(handle)
+        return os.pread(handle.fd, size, offset)
 
 
 class ControlServer:
@@ -665,10 +938,8 @@ def _serve(args: argparse.Namespace, source: str, mountpoint: str, control_path:
     problem = _check_paths(source, mountpoint)
     if problem:
         return _fail(problem)
-    # Signals go to one thread that unmounts: the main thread sits in libfuse's C loop, where a
-    # Python handler would never run, and libfuse's own handler only sets a flag that the loop
-    # reads after its next request. Blocking them before any thread starts (threads inherit the
-    # mask) leaves sigwait() the only taker.
+    # Signals go to one thread that unmounts. Blocking them before any thread starts (threads
+    # inherit the mask) leaves sigwait() the only taker, so no serving thread is interrupted.
     stop_signals = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     settings = _settings(args)
@@ -677,38 +948,43 @@ def _serve(args: argparse.Namespace, source: str, mountpoint: str, control_path:
         server = ControlServer(control_path, emu)
     except OSError as e:
         return _fail(f"control socket {control_path!r}: {e}")
+    fs = SlowFS(emu)
+    # No passthrough: every read must come here to pay its latency.
+    session = Session(fs, want_passthrough=False)
+    log.info("mounting %s at %s, settings %s, control %s", source, mountpoint, asdict(settings),
+             control_path)
+    try:
+        # Without default_permissions, as a plain NFS mount: access(2) comes to us.
+        session.mount(mountpoint, MountOptions(fsname="slowfs", subtype="slowfs",
+                                               default_permissions=False))
+    except OSError as e:
+        server.close()
+        return _fail(f"cannot mount {mountpoint!r}: {e}", 1)
     loop_done = threading.Event()
 
     def on_signal() -> None:
         sig = signal.sigwait(stop_signals)
         log.info("%s: unmounting", signal.Signals(sig).name)
         emu.faults.close()
-        if is_mounted(mountpoint):
-            fusermount(mountpoint, lazy=True)
-        # Once unmounted the FUSE loop ends by itself, unless a client still holds a file open:
+        try:
+            session.unmount()
+        except OSError as e:
+            log.warning("%s", e)
+        # Once unmounted the session ends by itself, unless a client still holds a file open:
         # then exiting closes /dev/fuse, which ends the connection for it.
         if not loop_done.wait(2):
-            log.warning("FUSE loop still running after unmount; exiting anyway")
+            log.warning("FUSE session still running after unmount; exiting anyway")
             server.close()
             logging.shutdown()
             os._exit(0)
 
     threading.Thread(target=on_signal, name="signals", daemon=True).start()
-    log.info("mounting %s at %s, settings %s, control %s", source, mountpoint, asdict(settings),
-             control_path)
     try:
-        FUSE(
-            SlowFS(emu), mountpoint, foreground=True, encoding=FUSE_ENCODING, errors=FUSE_ERRORS,
-            fsname="slowfs", subtype="slowfs", ro=True,
-            # No kernel caching at all: changes to SOURCE must show through at once.
-            direct_io=True, attr_timeout=0, entry_timeout=0, negative_timeout=0,
-            use_ino=True,  # report SOURCE's inode numbers, which change when a file is replaced
-        )
-    except RuntimeError as e:
-        return _fail(f"libfuse could not mount {mountpoint!r} (status {e})", 1)
+        session.serve()
     finally:
         loop_done.set()
         server.close()
+        fs.close()
     log.info("unmounted")
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ import pytest
 
 from bench import slowfs
 from bench.remote import EmulatedRemote
+from cachefs.kernel.protocol import ROOT_ID
+from cachefs.kernel.session import Connection, Request
 
 NON_UTF8 = b"raw-\xff.bin"
 
@@ -330,13 +333,154 @@ def test_stop_unmounts_despite_open_files_and_hung_ops(start_remote) -> None:
         os.close(held)
 
 
+class RecordedReplies:
+    """Stands in for the FUSE session: keeps what would have been sent to the kernel."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, bytes | int] = {}
+        self.answered = threading.Event()
+
+    def reply(self, unique: int, body: bytes = b"") -> bool:
+        return self._keep(unique, body)
+
+    def reply_data(self, unique: int, data: bytes) -> bool:
+        return self._keep(unique, bytes(data))
+
+    def reply_error(self, unique: int, code: int) -> bool:
+        return self._keep(unique, code)
+
+    def _keep(self, unique: int, answer: bytes | int) -> bool:
+        self.sent[unique] = answer
+        self.answered.set()
+        return True
+
+
+def unmounted_fs(source: Path, settings: slowfs.Settings | None = None
+                 ) -> tuple[slowfs.SlowFS, RecordedReplies]:
+    fs = slowfs.SlowFS(slowfs.Emulator(os.fsencode(source),
+                                       settings or slowfs.Settings(0, 0, 0, None)))
+    replies = RecordedReplies()
+    fs.init(replies, Connection(minor=45, passthrough=False))
+    return fs, replies
+
+
+def request(unique: int, nodeid: int = ROOT_ID) -> Request:
+    return Request(unique, nodeid, os.getuid(), os.getgid(), os.getpid())
+
+
 @pytest.mark.timeout(60)
-def test_unexpected_errors_become_eio_not_einval(source: Path) -> None:
-    # Without a mount: a read on a handle the daemon never gave out is a bug, not EINVAL.
-    fs = slowfs.SlowFS(slowfs.Emulator(os.fsencode(source), slowfs.Settings(0, 0, 0, None)))
-    with pytest.raises(OSError) as raised:
-        fs.read("/a.txt", 10, 0, 123456)
-    assert raised.value.errno == errno.EIO
-    with pytest.raises(OSError) as raised:
-        fs.getattr("/no-such-file")
-    assert raised.value.errno == errno.ENOENT  # real errors keep their errno
+def test_unexpected_errors_become_eio(source: Path) -> None:
+    # Without a mount: a read on a handle the daemon never gave out is a bug, answered EIO.
+    fs, replies = unmounted_fs(source)
+    fs.read(request(1), ROOT_ID, 123456, 0, 10)
+    assert replies.sent[1] == errno.EIO
+    fs.lookup(request(2), ROOT_ID, b"no-such-file")
+    assert replies.sent[2] == errno.ENOENT  # real errors keep their errno
+    fs.lookup(request(3), ROOT_ID, b"a.txt")
+    assert isinstance(replies.sent[3], bytes)  # an entry for a file that is there
+
+
+@pytest.mark.timeout(60)
+def test_latency_is_paid_on_the_timer_not_by_the_caller(source: Path) -> None:
+    # The handler returns at once; the answer (an error too) follows when the latency is paid.
+    fs, replies = unmounted_fs(source, slowfs.Settings(200, 0, 0, None))
+    started = time.monotonic()
+    fs.lookup(request(1), ROOT_ID, b"no-such-file")
+    assert time.monotonic() - started < 0.1 and not replies.sent
+    assert replies.answered.wait(5)
+    assert time.monotonic() - started >= 0.2
+    assert replies.sent == {1: errno.ENOENT}
+
+
+@pytest.mark.timeout(60)
+def test_timer_runs_callbacks_in_order_never_early() -> None:
+    timer = slowfs.Timer()
+    ran: list[tuple[str, float]] = []
+    done = threading.Event()
+    now = time.monotonic()
+    for name, delay in [("c", 0.15), ("a", 0.05), ("b", 0.10)]:
+        timer.at(now + delay, lambda name=name, due=now + delay: ran.append((name, due)))
+    timer.at(now + 0.2, done.set)
+    assert done.wait(5)
+    assert [name for name, _ in ran] == ["a", "b", "c"]
+
+
+@pytest.mark.timeout(60)
+def test_hang_times_out_without_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slowfs, "HANG_LIMIT_S", 0.1)
+    faults = slowfs.Faults(slowfs.Timer())
+    faults.add(slowfs.Fault("hang", ops=("read",)))
+    outcome: list[str | int] = []
+    done = threading.Event()
+
+    def park() -> None:
+        fault = faults.match("read", b"a.txt")
+        faults.park(fault, lambda: (outcome.append("resumed"), done.set()),
+                    lambda code: (outcome.append(code), done.set()))
+
+    threads = threading.active_count()
+    park()
+    assert faults.hung_now == 1 and threading.active_count() == threads
+    assert done.wait(5) and outcome == [errno.ETIMEDOUT] and faults.hung_now == 0
+
+    done.clear()
+    monkeypatch.setattr(slowfs, "HANG_LIMIT_S", 60)
+    park()
+    faults.clear()
+    assert done.wait(5) and outcome[1:] == ["resumed"]
+    assert faults.match("read", b"a.txt") is None
+
+
+@pytest.mark.timeout(60)
+def test_waiting_and_hung_requests_hold_no_thread(start_remote) -> None:
+    remote = start_remote(open_ms=1000)
+    remote.set_fault("hang", ops=["open"], glob="sub/*")
+    opened: list[float] = []
+
+    def open_a() -> None:
+        os.close(os.open(remote.path / "a.txt", os.O_RDONLY))
+        opened.append(time.monotonic())
+
+    readers = [threading.Thread(target=read, args=(remote.path / "sub" / "random.bin",),
+                                daemon=True) for _ in range(10)]
+    openers = [threading.Thread(target=open_a, daemon=True) for _ in range(20)]
+    started = time.monotonic()
+    for thread in readers + openers:
+        thread.start()
+    try:
+        time.sleep(0.5)
+        stats = remote.stats()
+        assert stats["hung_now"] == 10
+        assert stats["in_flight"] == 30  # 20 opens paying their latency, 10 hung ones
+        assert stats["threads"] <= 10  # the daemon's, whatever waits
+    finally:
+        remote.clear_faults()
+    for thread in readers + openers:
+        thread.join(10)
+    assert len(opened) == 20
+    assert 1.0 <= max(opened) - started < 3.0  # the opens waited side by side
+
+
+@pytest.mark.timeout(60)
+def test_cpu_seconds_are_reported(start_remote) -> None:
+    remote = start_remote(profile="efs")
+    assert read(remote.path / "a.txt") == b"hello remote\n"
+    stats = remote.stats()
+    assert stats["cpu_seconds"] > 0
+    assert stats["cpu_seconds"] == pytest.approx(
+        stats["cpu_user_seconds"] + stats["cpu_system_seconds"], abs=1e-5)
+    assert 0 <= remote.cpu_seconds() <= stats["cpu_seconds"] + 0.1
+    remote.stop()
+    with pytest.raises(RuntimeError, match="not running"):
+        remote.cpu_seconds()
+
+
+@pytest.mark.timeout(60)
+def test_private_mmap_works_shared_mmap_fails(source: Path, start_remote) -> None:
+    remote = start_remote()
+    with open(remote.path / "sub" / "random.bin", "rb") as f:
+        with mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as view:
+            assert view[:100] == read(source / "sub" / "random.bin")[:100]
+        with pytest.raises(OSError) as raised:
+            mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        assert raised.value.errno == errno.ENODEV
