@@ -69,6 +69,7 @@ callbacks (a parked request's resume or fail, the timer's) run with no lock held
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import functools
 import heapq
@@ -171,25 +172,55 @@ class Link:
             return self._free_at
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.timerfd_create.argtypes = (ctypes.c_int, ctypes.c_int)
+_libc.timerfd_settime.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Itimerspec),
+                                  ctypes.c_void_p)
+CLOCK_MONOTONIC = 1  # the clock of time.monotonic()
+TFD_CLOEXEC = os.O_CLOEXEC
+TFD_TIMER_ABSTIME = 1
+
+
 class Timer:
     """One thread that runs callbacks when they fall due: how a request waits without a thread
     of its own.
 
-    The thread sleeps on ``_wake`` (a lock that is held while no wake is pending) until the
-    earliest callback is due; ``at`` releases it only when the new callback is due before the
-    thread would wake, so a busy timer is woken about once per due time, not once per call.
+    The thread blocks in a read of a timerfd armed for the earliest callback. ``at`` re-arms it
+    when the new callback is due first, which moves the kernel's timer without waking the
+    thread: a request costs the timer one wake, when its answer is due. (A condition variable
+    would wake the thread to re-arm its own timeout each time, a third of the wakes of an
+    emulator serving one reader. os.timerfd_* comes with Python 3.13; until then, libc.)
+    The timer fires SLACK_S after the earliest due time and runs everything due by then, as
+    the kernel's timer slack does for a sleeping thread: answers due close together leave on
+    one wake.
 
-    Thread safety: ``_lock`` guards ``_heap``, ``_wakes_at`` and the state of ``_wake``;
-    callbacks run on the timer's thread without it, one after another, so a callback must
-    not block.
+    Thread safety: ``_lock`` guards ``_heap``, ``_armed_at`` and the timerfd's setting;
+    callbacks run on the timer's thread without it, one after another, so a callback must not
+    block.
     """
 
+    # The default timer slack of a Linux thread (prctl PR_SET_TIMERSLACK): how late a sleep
+    # may end, and how late the mfusepy version's sleeping threads answered.
+    SLACK_S = 50e-6
+
     def __init__(self) -> None:
+        self._fd = _libc.timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC)
+        if self._fd < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"timerfd_create: {os.strerror(code)}")
         self._lock = threading.Lock()
-        self._wake = threading.Lock()
-        self._wake.acquire()
         self._heap: list[tuple[float, int, Callable[..., Any], tuple]] = []
-        self._wakes_at = math.inf  # when the thread wakes by itself
+        self._armed_at = math.inf  # when the timerfd fires next
+        self._spec = _Itimerspec()
+        self._spec_ref = ctypes.byref(self._spec)
         self._serial = itertools.count()  # orders callbacks due at the same time, first in first
         threading.Thread(target=self._run, name="timer", daemon=True).start()
 
@@ -197,32 +228,39 @@ class Timer:
         """Run callback(*args) at time.monotonic() ``due`` (at once if that has passed)."""
         with self._lock:
             heapq.heappush(self._heap, (due, next(self._serial), callback, args))
-            if due < self._wakes_at:
-                self._wakes_at = due
-                if self._wake.locked():
-                    self._wake.release()
+            if due + self.SLACK_S < self._armed_at:
+                self._arm_locked(due + self.SLACK_S)
+
+    def _arm_locked(self, due: float) -> None:
+        """Make the timerfd fire at ``due`` (a time past fires it at once)."""
+        self._armed_at = due
+        seconds = int(due)
+        value = self._spec.it_value
+        # A zero it_value would disarm the timer: the earliest time that is not zero.
+        value.tv_sec, value.tv_nsec = seconds, max(int((due - seconds) * 1e9), 0 if seconds else 1)
+        if _libc.timerfd_settime(self._fd, TFD_TIMER_ABSTIME, self._spec_ref, None):
+            code = ctypes.get_errno()
+            raise OSError(code, f"timerfd_settime: {os.strerror(code)}")
 
     def _run(self) -> None:
         heap = self._heap
         pop = heapq.heappop
-        monotonic = time.monotonic
         while True:
+            os.read(self._fd, 8)  # the number of expiries: one wake is enough for them all
             with self._lock:
-                now = monotonic()
+                now = time.monotonic()
                 batch = []
                 while heap and heap[0][0] <= now:
                     batch.append(pop(heap))
-                self._wakes_at = heap[0][0] if heap else math.inf
+                # A one-shot timerfd that fired is disarmed: arm it for what is left.
+                self._armed_at = math.inf
+                if heap:
+                    self._arm_locked(heap[0][0] + self.SLACK_S)
             for _due, _serial, callback, args in batch:
                 try:
                     callback(*args)
                 except Exception:
                     log.exception("timer callback %r failed", callback)
-            delay = self._wakes_at - monotonic()
-            if delay > 0:
-                self._wake.acquire(timeout=min(delay, threading.TIMEOUT_MAX))
-            else:  # due already: consume a wake that may be pending, and go round again
-                self._wake.acquire(blocking=False)
 
 
 @dataclass(frozen=True)

@@ -395,14 +395,16 @@ def test_latency_is_paid_on_the_timer_not_by_the_caller(source: Path) -> None:
 @pytest.mark.timeout(60)
 def test_timer_runs_callbacks_in_order_never_early() -> None:
     timer = slowfs.Timer()
-    ran: list[tuple[str, float]] = []
+    ran: list[tuple[str, float, float]] = []
     done = threading.Event()
     now = time.monotonic()
-    for name, delay in [("c", 0.15), ("a", 0.05), ("b", 0.10)]:
-        timer.at(now + delay, lambda name=name, due=now + delay: ran.append((name, due)))
+    for name, delay in [("c", 0.15), ("a", 0.05), ("b", 0.10), ("past", -1.0)]:
+        timer.at(now + delay, lambda name=name, due=now + delay: ran.append(
+            (name, due, time.monotonic())))
     timer.at(now + 0.2, done.set)
     assert done.wait(5)
-    assert [name for name, _ in ran] == ["a", "b", "c"]
+    assert [name for name, _, _ in ran] == ["past", "a", "b", "c"]
+    assert all(at >= due for _, due, at in ran)
 
 
 @pytest.mark.timeout(60)
