@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import slowfs
+from bench import remote_cost, slowfs
 from bench.remote import EmulatedRemote
 from cachefs.kernel.protocol import ROOT_ID
 from cachefs.kernel.session import Connection, Request
@@ -486,3 +486,17 @@ def test_private_mmap_works_shared_mmap_fails(source: Path, start_remote) -> Non
         with pytest.raises(OSError) as raised:
             mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         assert raised.value.errno == errno.ENODEV
+
+
+@pytest.mark.timeout(60)
+def test_remote_cost_accounts_for_what_was_injected() -> None:
+    lines: list[str] = []
+    (run,) = remote_cost.measure(files=30, size=64 << 10, readers=2, profile="efs", repeats=1,
+                                 report=lines.append)
+    # Each file: a lookup of data/, of its directory and of itself, an open, a read of its
+    # bytes and one that finds the end; then its bytes at 200 MB/s.
+    assert run.ops == {"getattr": 90, "open": 30, "read": 60, "release": 30}
+    assert run.injected_per_file == pytest.approx(
+        3 * 0.5e-3 + 2e-3 + 2 * 2e-3 + (64 << 10) / 200e6)
+    assert run.cpu_seconds >= 0 and run.files_per_second > 0
+    assert lines and "files/s" in lines[0]
