@@ -29,8 +29,9 @@ How it waits: slowfs speaks the kernel's low-level protocol through cachefs's ow
 serving thread and its answer is queued on one timer thread for the moment its latency has
 passed; a hung request is parked until released. So a waiting request holds no thread, and the
 emulator's own CPU per file is a small fraction of the latency it injects, which matters because
-it shares the machine's cores with the daemon under test (``python -m bench.remote_cost``
-measures it; ``stats`` reports ``cpu_seconds``).
+it shares the machine's cores with the daemon under test. ``python -m bench.remote_cost``
+measures it (on a 2-core VM, efs profile, 8 readers of 64 KiB files: 0.39 ms per file, 5 % of
+the 7.8 ms injected; the mfusepy version took 0.53 ms); ``stats`` reports ``cpu_seconds``.
 
 Where it differs from a real NFS mount (on purpose or by FUSE's nature):
 
