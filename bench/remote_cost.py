@@ -6,15 +6,16 @@ burns is taken from what is being measured. It must stay small beside what it em
 CPU per file at most TARGET_RATIO (10 %) of the latency it injects per file.
 
     python3 -m bench.remote_cost [--files 2000] [--size 65536] [--readers 8] [--profile efs]
-        [--repeats 3] [--slowfs FILE]
+        [--repeats 3] [--slowfs FILE] [--against FILE]...
 
 Makes FILES files of SIZE bytes in a temporary directory, serves them with the emulator (a
 fresh mount per repeat), reads every file once with READERS processes (open, read to the end,
 close), and prints for each run: files/s, the latency injected per file (from the emulator's
 op counters and its settings), the emulator's CPU per file (utime + stime from /proc over the
 reads only) and their ratio, with the verdict. ``--slowfs FILE`` runs another slowfs.py
-instead of this tree's (for a before/after figure: ``git show REV:bench/slowfs.py > old.py``);
-its control socket must speak the same protocol.
+instead of this tree's; ``--against FILE`` measures another one too, the two taking turns run
+by run, for a before/after figure (``git show REV:bench/slowfs.py > old.py``). Another
+slowfs.py's control socket must speak the same protocol.
 """
 
 from __future__ import annotations
@@ -138,29 +139,38 @@ def measure_once(remote: EmulatedRemote, paths: list[str], readers: int) -> Run:
 
 
 def measure(files: int = 2000, size: int = 64 << 10, readers: int = 8, profile: str = "efs",
-            repeats: int = 3, script: Path | None = None, report=print) -> list[Run]:
-    """Runs of the whole measurement (a dataset in a temporary directory, removed after)."""
+            repeats: int = 3, variants: Sequence[Path | None] = (None,),
+            report=print) -> list[list[Run]]:
+    """Runs of the whole measurement for each variant (a slowfs.py file, None for this tree's),
+    the variants taking turns so that drift in the machine's load hits them alike; the dataset
+    lives in a temporary directory, removed after."""
     work = Path(tempfile.mkdtemp(prefix="remote-cost-"))
-    runs = []
+    runs: list[list[Run]] = [[] for _ in variants]
     try:
         source = work / "source"
         names = make_dataset(source, files, size)
         for repeat in range(repeats):
-            mountpoint = work / f"mnt{repeat}"
-            mountpoint.mkdir()
-            options = {"profile": profile, "log_file": work / "slowfs.log"}
-            remote = (ScriptRemote(script, source, mountpoint, **options) if script
-                      else EmulatedRemote(source, mountpoint, **options))
-            try:
-                remote.start()
-                run = measure_once(remote, [str(mountpoint / name) for name in names], readers)
-            finally:
-                remote.stop()
-            runs.append(run)
-            report(f"run {repeat + 1}: {describe(run)}")
+            for index, script in enumerate(variants):
+                mountpoint = work / f"mnt{repeat}-{index}"
+                mountpoint.mkdir()
+                options = {"profile": profile, "log_file": work / "slowfs.log"}
+                remote = (ScriptRemote(script, source, mountpoint, **options) if script
+                          else EmulatedRemote(source, mountpoint, **options))
+                try:
+                    remote.start()
+                    paths = [str(mountpoint / name) for name in names]
+                    run = measure_once(remote, paths, readers)
+                finally:
+                    remote.stop()
+                runs[index].append(run)
+                report(f"run {repeat + 1}, {label(script)}: {describe(run)}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return runs
+
+
+def label(script: Path | None) -> str:
+    return str(script) if script else "this tree"
 
 
 def describe(run: Run) -> str:
@@ -197,24 +207,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", choices=sorted(slowfs.PROFILES), default="efs")
     parser.add_argument("--repeats", type=int, default=3, help="runs, each on a fresh mount")
     parser.add_argument("--slowfs", type=Path, help="run this slowfs.py instead of this tree's")
+    parser.add_argument("--against", type=Path, action="append", default=[],
+                        help="also measure this slowfs.py (an older one, say), in turns")
     args = parser.parse_args(argv)
     if min(args.files, args.size, args.readers, args.repeats) < 1:
         parser.error("--files, --size, --readers and --repeats must be at least 1")
-    if args.slowfs is not None and not args.slowfs.is_file():
-        parser.error(f"--slowfs {args.slowfs}: no such file")
-    which = str(args.slowfs) if args.slowfs else "bench/slowfs.py of this tree"
+    variants = [args.slowfs, *args.against]
+    for script in filter(None, variants):
+        if not script.is_file():
+            parser.error(f"{script}: no such file")
     settings = ", ".join(f"{key} {value}" for key, value in
                          asdict(slowfs.PROFILES[args.profile]).items())
-    print(f"{which}, profile {args.profile} ({settings}): {args.files} files of "
-          f"{args.size:,} bytes, {args.readers} readers, {args.repeats} runs", flush=True)
+    print(f"profile {args.profile} ({settings}): {args.files} files of {args.size:,} bytes, "
+          f"{args.readers} readers, {args.repeats} runs of "
+          f"{', '.join(label(script) for script in variants)}", flush=True)
     try:
         runs = measure(args.files, args.size, args.readers, args.profile, args.repeats,
-                       args.slowfs, report=lambda line: print(line, flush=True))
+                       variants, report=lambda line: print(line, flush=True))
     except (OSError, RuntimeError) as exc:
         print(f"remote_cost: {exc}".splitlines()[0], file=sys.stderr)
         return 1
-    print(summary(runs))
-    return 0 if max(run.ratio for run in runs) <= TARGET_RATIO else 1
+    for script, its_runs in zip(variants, runs, strict=True):
+        print(f"{label(script)}: {summary(its_runs)}")
+    return 0 if max(run.ratio for run in runs[0]) <= TARGET_RATIO else 1
 
 
 if __name__ == "__main__":

@@ -491,8 +491,8 @@ def test_private_mmap_works_shared_mmap_fails(source: Path, start_remote) -> Non
 @pytest.mark.timeout(60)
 def test_remote_cost_accounts_for_what_was_injected() -> None:
     lines: list[str] = []
-    (run,) = remote_cost.measure(files=30, size=64 << 10, readers=2, profile="efs", repeats=1,
-                                 report=lines.append)
+    ((run,),) = remote_cost.measure(files=30, size=64 << 10, readers=2, profile="efs",
+                                    repeats=1, report=lines.append)
     # Each file: a lookup of data/, of its directory and of itself, an open, a read of its
     # bytes and one that finds the end; then its bytes at 200 MB/s.
     assert run.ops == {"getattr": 90, "open": 30, "read": 60, "release": 30}
