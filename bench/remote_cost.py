@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python3 -m bench.remote_cost",
         description="Measure the emulated remote's own CPU per file against the latency it "
-                    "injects (target: at most 10 %%).")
+                    "injects (target: at most 10 %).")
     parser.add_argument("--files", type=int, default=2000, help="files in the dataset")
     parser.add_argument("--size", type=int, default=64 << 10, help="bytes per file")
     parser.add_argument("--readers", type=int, default=8, help="reading processes")

@@ -7,8 +7,6 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v fusermount >/dev/null || need_apt+=(fuse)
-[ -e /usr/lib/x86_64-linux-gnu/libfuse.so.2 ] || ldconfig -p | grep -q 'libfuse.so.2 ' \
-    || need_apt+=(libfuse2)
 command -v rclone >/dev/null || need_apt+=(rclone)
 if [ ${#need_apt[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
