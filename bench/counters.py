@@ -2,7 +2,8 @@
 
 A snapshot is a flat dict of numbers; an epoch's figures are the difference of two.
 ``remote_*`` keys come from the emulated remote (what really crossed the "network", for any
-variant); ``cachefs_*`` keys from the cachefs mount's Prometheus endpoint.
+variant, and the emulator's own CPU); ``cachefs_*`` keys from the cachefs mount's Prometheus
+endpoint, and ``cachefs_cpu_seconds`` from its daemon's /proc/PID/stat.
 """
 
 from __future__ import annotations
@@ -47,7 +48,19 @@ def cachefs_opens(snapshot: Snapshot) -> float:
 def emulator_snapshot(stats: dict) -> Snapshot:
     """The emulated remote's counters (bench.remote.EmulatedRemote.stats())."""
     return {"remote_bytes": float(stats.get("read_bytes", 0)),
-            "remote_opens": float(stats.get("opens", 0))}
+            "remote_opens": float(stats.get("opens", 0)),
+            "remote_cpu_seconds": float(stats.get("cpu_seconds", 0.0))}
+
+
+def daemon_cpu_snapshot(pid: int | None) -> Snapshot:
+    """The daemon's CPU (user + system, all threads): what one file read through it costs is
+    the figure the data path is designed around."""
+    from bench.remote import process_cpu_seconds
+
+    try:
+        return {"cachefs_cpu_seconds": process_cpu_seconds(pid)} if pid else {}
+    except OSError:  # the daemon is gone: the epoch fails on its own
+        return {}
 
 
 def combined(*sources: Callable[[], Snapshot]) -> Callable[[], Snapshot]:

@@ -52,6 +52,8 @@ class LoopConfig:
     persistent_workers: bool = True
     # Wait for the parent's word before each epoch, so that two loops can take turns.
     gated: bool = False
+    # Idle this long before each epoch (so that cached attributes fall due, say).
+    pause_before_epoch_s: float = 0.0
     # How DataLoader workers start. A child made with "spawn" inherits "spawn" as its default,
     # and spawned workers each import torch again (seconds per worker on a small machine):
     # the parent passes the platform's own default, which a training script would get.
@@ -180,6 +182,7 @@ def run_loop(config: LoopConfig, snapshot: Callable[[], Snapshot],
     step = config.step_ms / 1000.0
     for epoch in range(1, config.epochs + config.unpaced_epochs + 1):
         paced = epoch <= config.epochs
+        time.sleep(config.pause_before_epoch_s)
         gate()
         if config.drop_caches:
             drop_page_cache()

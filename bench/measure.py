@@ -69,7 +69,7 @@ def measure_variant(variant: Variant, dataset: Dataset, remote: EmulatedRemote,
                 whole_files=dataset.spec.kind == "images", epochs=settings.epochs,
                 unpaced_epochs=settings.unpaced_epochs, batch_size=settings.batch,
                 num_workers=settings.workers, step_ms=settings.step_ms, hints=variant.hints,
-                seed=settings.seed)
+                seed=settings.seed, pause_before_epoch_s=variant.pause_before_epoch_s)
 
             def show(epoch: dict) -> None:
                 log(f"  {variant.name:<20} epoch {epoch['epoch']}"
@@ -103,9 +103,11 @@ def _reach(variant: Variant, dataset: Dataset, remote: EmulatedRemote, settings:
         result["cache_size_bytes"] = budget
         mount = mounts.enter_context(CachefsMount(
             remote_path(remote, dataset), work / "mnt", work / "cache", cache_size_bytes=budget,
-            fraction=variant.fraction, log_file=settings.out_dir / "logs" / f"{variant.name}.log"))
+            fraction=variant.fraction, log_file=settings.out_dir / "logs" / f"{variant.name}.log",
+            extra_args=variant.cachefs_args))
         return mount.path, counters.combined(
-            emulator, lambda: counters.cachefs_snapshot(mount.metrics_text()))
+            emulator, lambda: counters.cachefs_snapshot(mount.metrics_text()),
+            lambda: counters.daemon_cpu_snapshot(mount.pid))
     if variant.kind == RCLONE:
         budget = cache_budget(variant.fraction, dataset)
         result["cache_size_bytes"] = budget

@@ -25,6 +25,10 @@ def _ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
+def _us(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
 def _count(value: int | None) -> str:
     return "—" if value is None else f"{value:,}"
 
@@ -69,7 +73,8 @@ def _epoch_label(row: dict) -> str:
 def console_table(results: dict) -> str:
     """The per-epoch table as plain text, for a terminal."""
     header = (f"{'variant':<20} {'epoch':>12} {'samples/s':>10} {'stall':>7} {'p99 wait':>9} "
-              f"{'hit ratio':>9} {'remote MiB':>11} {'floor MiB':>10}")
+              f"{'hit ratio':>9} {'remote MiB':>11} {'floor MiB':>10} {'daemon us/file':>14} "
+              f"{'remote us/file':>14}")
     lines = [header, "-" * len(header)]
     for row in epoch_rows(results):
         if row["error"]:
@@ -79,7 +84,8 @@ def console_table(results: dict) -> str:
             f"{row['variant']:<20} {_epoch_label(row):>12} {row['samples_per_second']:>10.0f} "
             f"{row['stall_fraction']:>7.1%} {row['wait_p99_ms']:>7.1f}ms "
             f"{_ratio(row['hit_ratio']):>9} {_mib(row['remote_bytes']):>11} "
-            f"{_mib(row['floor_bytes']):>10}")
+            f"{_mib(row['floor_bytes']):>10} {_us(row['daemon_us_per_file']):>14} "
+            f"{_us(row['remote_us_per_file']):>14}")
     return "\n".join(lines)
 
 
@@ -157,13 +163,16 @@ def markdown(results: dict, png_name: str | None) -> str:
             "Hit ratio: cachefs's own (file opens served wholly by the cache); for the other "
             "variants, the share of bytes read that the remote did not serve. Remote MiB: "
             "cachefs's `cachefs_remote_read_bytes_total`, else what the emulated remote served; "
-            "in brackets what the emulated remote served to cachefs. Floor: (1 - f) x dataset.",
+            "in brackets what the emulated remote served to cachefs. Floor: (1 - f) x dataset. "
+            "CPU per file (user + system, all threads, from /proc): the cachefs daemon's per "
+            "file read through it, the emulated remote's per file it opened.",
             "",
             "| variant | epoch | samples/s | stall | wait p50 ms | wait p99 ms | hit ratio | "
-            "remote MiB | floor MiB |", "|---|---|---|---|---|---|---|---|---|"]
+            "remote MiB | floor MiB | daemon us/file | remote us/file |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in epoch_rows(results):
         if row["error"]:
-            out.append(f"| {row['variant']} | failed: {row['error']} | | | | | | | |")
+            out.append(f"| {row['variant']} | failed: {row['error']} | | | | | | | | | |")
             continue
         remote = _mib(row["remote_bytes"])
         if row["variant"].startswith("cachefs") and row["emulator_bytes"] is not None:
@@ -171,7 +180,8 @@ def markdown(results: dict, png_name: str | None) -> str:
         out.append(
             f"| {row['variant']} | {_epoch_label(row)} | {row['samples_per_second']:.0f} | "
             f"{row['stall_fraction']:.1%} | {row['wait_p50_ms']:.1f} | {row['wait_p99_ms']:.1f} "
-            f"| {_ratio(row['hit_ratio'])} | {remote} | {_mib(row['floor_bytes'])} |")
+            f"| {_ratio(row['hit_ratio'])} | {remote} | {_mib(row['floor_bytes'])} "
+            f"| {_us(row['daemon_us_per_file'])} | {_us(row['remote_us_per_file'])} |")
     hinted = [r for r in epoch_rows(results) if not r["error"] and r["variant"].endswith("-hints")]
     if hinted:
         out += ["", "Prefetch outcome of the hinted variants (cachefs counters per epoch; "

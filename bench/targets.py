@@ -19,6 +19,13 @@ SPEEDUP_OVER_RCLONE = 4.0
 SHARE_OF_LOCAL = 0.6
 MAX_STALL = 0.05
 MIN_FILES_PER_SECOND = 4000
+# The first epoch at the peer fraction fills the cache: no slower than no cache at all.
+FIRST_EPOCH_OF_DIRECT = 0.95
+# Attributes due for revalidation as an epoch starts, refreshed ahead by the hints.
+DUE_SHARE_OF_FRESH = 0.9
+# Daemon CPU per file, microseconds: filled into the cache, and passed through.
+MAX_FILL_US = 250
+MAX_PASS_THROUGH_US = 150
 
 
 def epoch_figures(variant: dict, epoch: dict, dataset_bytes: int) -> dict:
@@ -33,7 +40,8 @@ def epoch_figures(variant: dict, epoch: dict, dataset_bytes: int) -> dict:
     c = epoch["counters"]
     fraction = variant["fraction"] or 0.0
     out = {"hit_ratio": None, "remote_bytes": None, "emulator_bytes": c.get("remote_bytes"),
-           "floor_bytes": None if variant["kind"] == LOCAL else (1 - fraction) * dataset_bytes}
+           "floor_bytes": None if variant["kind"] == LOCAL else (1 - fraction) * dataset_bytes,
+           **cpu_figures(epoch)}
     if variant["kind"] == CACHEFS:
         opens = cachefs_opens(c)
         out["hit_ratio"] = c["cachefs_hit_opens"] / opens if opens else None
@@ -43,6 +51,17 @@ def epoch_figures(variant: dict, epoch: dict, dataset_bytes: int) -> dict:
         read = epoch["bytes_read"]
         out["hit_ratio"] = max(0.0, 1 - c["remote_bytes"] / read) if read else None
     return out
+
+
+def cpu_figures(epoch: dict) -> dict:
+    """CPU per file of the cachefs daemon (per sample read through it) and of the emulated
+    remote (per file it opened), in microseconds; None where not measured."""
+    c = epoch["counters"]
+    daemon = c.get("cachefs_cpu_seconds")
+    remote, opens = c.get("remote_cpu_seconds"), c.get("remote_opens")
+    return {"daemon_us_per_file": 1e6 * daemon / epoch["samples"]
+            if daemon is not None and epoch["samples"] else None,
+            "remote_us_per_file": 1e6 * remote / opens if remote is not None and opens else None}
 
 
 def steady(variant: dict) -> list[dict]:
@@ -214,9 +233,61 @@ def _files_per_second_verdict(results: dict) -> list[dict]:
                      f"{ours['cold']:,} (local copy {local['cold']:,})", "cachefs-f1")]
 
 
+def _first_epoch_verdict(results: dict) -> list[dict]:
+    """The filling epoch against the remote read directly (both mostly below the pace, so the
+    paced epochs compare what each can deliver)."""
+    variants = _by_name(results)
+    name = f"cachefs-f{PEER_FRACTION:g}"
+    target = f"first epoch (filling) >= {FIRST_EPOCH_OF_DIRECT:g}x direct"
+    ours, direct = variants.get(name), variants.get("direct")
+    firsts = [e for e in (ours or {}).get("epochs", []) if e["epoch"] == 1]
+    theirs = [e["samples_per_second"] for e in (direct or {}).get("epochs", []) if e["paced"]]
+    if not firsts or not theirs or ours["error"] or direct["error"]:
+        return [_verdict(target, None, "not measured", name)]
+    rate, base = firsts[0]["samples_per_second"], _mean(theirs)
+    return [_verdict(target, rate >= FIRST_EPOCH_OF_DIRECT * base,
+                     f"{rate / base:.2f}x ({rate:.0f} vs {base:.0f} samples/s)", name)]
+
+
+def _revalidation_verdict(results: dict) -> list[dict]:
+    variants = _by_name(results)
+    due, fresh = variants.get("cachefs-f1-hints-due"), variants.get("cachefs-f1-hints")
+    target = f"attributes due: samples/s >= {DUE_SHARE_OF_FRESH:.0%} of fresh"
+    ours, how = _speed(due)
+    theirs, _ = _speed(fresh)
+    if ours is None or not theirs:
+        return [_verdict(target, None, "not measured", "cachefs-f1-hints-due")]
+    return [_verdict(target, ours >= DUE_SHARE_OF_FRESH * theirs,
+                     f"{ours / theirs:.0%} ({ours:.0f} vs {theirs:.0f} samples/s, {how})",
+                     "cachefs-f1-hints-due")]
+
+
+def _daemon_cpu_verdicts(results: dict) -> list[dict]:
+    """Fill: the first epoch at f = 1 fills every file; pass-through: f = 0 keeps none."""
+    variants = _by_name(results)
+    out = []
+    for name, target, limit, pick in (
+            ("cachefs-f1", "daemon CPU per filled file", MAX_FILL_US,
+             lambda v: [e for e in v["epochs"] if e["epoch"] == 1]),
+            ("cachefs-f0", "daemon CPU per file passed through", MAX_PASS_THROUGH_US,
+             lambda v: v["epochs"])):
+        v = variants.get(name)
+        costs = [] if v is None or v["error"] else [
+            c for c in (cpu_figures(e)["daemon_us_per_file"] for e in pick(v)) if c is not None]
+        label = f"{target} <= {limit} us"
+        if not costs:
+            out.append(_verdict(label, None, "not measured", name))
+            continue
+        out.append(_verdict(label, max(costs) <= limit,
+                            f"{min(costs):.0f} - {max(costs):.0f} us", name))
+    return out
+
+
 def evaluate(results: dict) -> list[dict]:
     """Every verdict, from the raw results alone (so a report can be redrawn from the JSON)."""
     return (_cache_verdicts(results) + _speedup_verdicts(results)
+            + _first_epoch_verdict(results) + _revalidation_verdict(results)
+            + _daemon_cpu_verdicts(results)
             + _fast_path_verdict(results) + _pace_verdicts(results)
             + _files_per_second_verdict(results))
 

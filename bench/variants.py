@@ -4,6 +4,10 @@
 * ``direct``: the emulated remote read directly, what training does without a cache;
 * ``cachefs-f<F>`` and ``cachefs-f<F>-hints``: cachefs over the remote keeping a fraction F,
   without and with the client's prefetch hints;
+* ``cachefs-f1-hints-due``: f = 1 with hints and every file's attributes due for revalidation
+  when each epoch starts (``--revalidate REVALIDATE_DUE_S``, and a pause that long before each
+  epoch), as in every real epoch longer than the interval; the other variants' epochs are
+  shorter than the default interval, so their attributes stay fresh, as with ``never``;
 * ``rclone``: rclone's VFS cache (``--vfs-cache-mode full``) over the remote, given the byte
   budget that cachefs has at the peer fraction (0.2 by default).
 """
@@ -19,6 +23,9 @@ RCLONE = "rclone"
 DEFAULT_FRACTIONS = (0.0, 0.2, 0.5, 1.0)
 # The fraction whose byte budget rclone gets, and the one the speed-up targets are about.
 PEER_FRACTION = 0.2
+# Longer than the client's hints run ahead of the reads (about one second here), so a hint's
+# refresh is still fresh when its file is opened.
+REVALIDATE_DUE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -26,18 +33,29 @@ class Variant:
     kind: str
     fraction: float | None = None  # cachefs: the --fraction; rclone: the budget's fraction
     hints: bool = False
+    attributes_due: bool = False  # cachefs: revalidate every file as each epoch starts
 
     @property
     def name(self) -> str:
         if self.kind == CACHEFS:
-            return f"cachefs-f{self.fraction:g}" + ("-hints" if self.hints else "")
+            return (f"cachefs-f{self.fraction:g}" + ("-hints" if self.hints else "")
+                    + ("-due" if self.attributes_due else ""))
         return self.kind
+
+    @property
+    def cachefs_args(self) -> tuple[str, ...]:
+        return ("--revalidate", f"{REVALIDATE_DUE_S:g}") if self.attributes_due else ()
+
+    @property
+    def pause_before_epoch_s(self) -> float:
+        return REVALIDATE_DUE_S if self.attributes_due else 0.0
 
 
 def all_variants(fractions: tuple[float, ...] = DEFAULT_FRACTIONS) -> list[Variant]:
     """Every variant, in the order a run measures them."""
     cached = [Variant(CACHEFS, f, hints) for f in fractions for hints in (False, True)]
-    return [Variant(LOCAL), Variant(DIRECT), *cached, Variant(RCLONE, PEER_FRACTION)]
+    due = [Variant(CACHEFS, 1.0, True, attributes_due=True)] if 1.0 in fractions else []
+    return [Variant(LOCAL), Variant(DIRECT), *cached, *due, Variant(RCLONE, PEER_FRACTION)]
 
 
 def select(names: str | None, fractions: tuple[float, ...] = DEFAULT_FRACTIONS) -> list[Variant]:
