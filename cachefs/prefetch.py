@@ -64,6 +64,7 @@ class _Active:
     extra_hints: int = 0  # hinted again meanwhile: more reads are coming
     staged_for: int = 0   # of those, already counted in the staged copy
     staged_version: Version | None = None
+    into_cache: bool = False  # this prefetch stored the file (not found cached already)
 
 
 @dataclass
@@ -170,7 +171,9 @@ class Prefetcher:
         if active is not None and attr.size <= CHUNK_BYTES \
                 and self._wait_for_prefetch(active, timeout) \
                 and self._cached(relpath_key(relpath), attr):
-            return Prefetched(into_cache=True)
+            # A worker that only refreshed a cached file's attributes made it no more local
+            # than it was: that open is a hit.
+            return Prefetched(into_cache=active.into_cache)
         return self._take_staged(relpath, attr)
 
     @staticmethod
@@ -265,6 +268,8 @@ class Prefetcher:
         try:
             if admit:
                 self._fetch_into_cache(relpath, key, attr)
+                with self._cond:
+                    self._active[relpath].into_cache = True
             else:
                 self._fetch_into_staging(relpath, attr)
         except (OSError, CachefsError) as exc:
