@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs.errors import UsageError
+from cachefs.metrics import MetricsAddress
 from cachefs.sizes import parse_size
 
 DEFAULT_METRICS_PORT = 9477
@@ -24,15 +25,6 @@ DEFAULT_PREFETCH_CONCURRENCY = 32
 DEFAULT_STAGING_BYTES = 512 * 2**20
 # Below this the index and its write-ahead log leave no room for data.
 MIN_CACHE_BYTES = 4 * 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class MetricsAddress:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 @dataclasses.dataclass(frozen=True)

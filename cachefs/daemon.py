@@ -21,14 +21,14 @@ import xxhash
 from cachefs import __version__, sdnotify
 from cachefs.admission import FractionAdmission
 from cachefs.attrcache import AttrCache, relpath_key
-from cachefs.config import MetricsAddress, Settings
+from cachefs.config import Settings
 from cachefs.control import ControlServer, Peer, Reply
 from cachefs.errors import CachefsError
 from cachefs.fetcher import Fetcher
 from cachefs.kernel.mirrorfs import MirrorFS
 from cachefs.kernel.mount import MountOptions
 from cachefs.kernel.session import Connection, Session
-from cachefs.metrics import HINT_RESULTS, PREFETCH_RESULTS, Metrics
+from cachefs.metrics import HINT_RESULTS, PREFETCH_RESULTS, Metrics, MetricsAddress
 from cachefs.paths import Caller, normalize, resolve
 from cachefs.prefetch import Prefetcher
 from cachefs.remote import Remote
