@@ -37,39 +37,53 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``cachefs mount``: the one list the flags, the config file keys and
+    mount(8)'s ``-o`` options (cachefs/mounthelper.py) are all read from."""
+    parser.add_argument("backing", nargs="?", help="the remote dataset directory (an NFS path)")
+    parser.add_argument("mountpoint", nargs="?", help="an empty directory to mount on")
+    parser.add_argument("--cache-dir", help="cache directory on the local SSD (created 0700)")
+    parser.add_argument("--cache-size", help="byte budget of the cache: 500G, 1.5T, 200MiB, 10GB")
+    parser.add_argument("--fraction", help="share of the files to keep, 0..1 (default 1.0)")
+    parser.add_argument("--seed", help="seed choosing which files are kept (default 0)")
+    parser.add_argument("--metrics-addr", help=f"HOST:PORT of /metrics (default "
+                        f"127.0.0.1:{DEFAULT_METRICS_PORT}; 0 turns metrics off)")
+    parser.add_argument("--revalidate", help="seconds before a file is checked against the remote "
+                        "again, or 'never' for immutable datasets (default 60)")
+    parser.add_argument("--remote-timeout", help="seconds a read waits on the remote before EIO "
+                        "(default 30)")
+    parser.add_argument("--prefetch-concurrency", help="files prefetched at once (default 32)")
+    parser.add_argument("--staging-size", help="memory for prefetched files the cache does not "
+                        "keep (default 512MiB)")
+    parser.add_argument("--allow-other", action="store_true", default=None,
+                        help="let other users read the mount (permissions are enforced)")
+    parser.add_argument("--passthrough", help="'auto' (default): the kernel reads local files "
+                        "itself where it can (FUSE passthrough, Linux 6.9+, as root); 'off': "
+                        "the daemon serves every read")
+    parser.add_argument("--runtime-dir", help="directory of the control socket")
+    parser.add_argument("--foreground", action="store_true",
+                        help="stay attached and log to stderr (for systemd)")
+    parser.add_argument("--config", help="TOML file with these settings; flags override it")
+    parser.add_argument("--log-file", help="log here (default in /var/log/cachefs or "
+                        "~/.local/state/cachefs when not in the foreground)")
+    parser.add_argument("--debug", action="store_true", help="log every remote fault in detail")
+
+
+# Mount flags that mount(8) and /etc/fstab cannot use, and why: every other flag of
+# add_mount_arguments is also an -o option (cachefs/mounthelper.py).
+NOT_FOR_FSTAB = {
+    "foreground": "mount(8) waits for the helper to return, which a daemon in the foreground "
+                  "never does; systemd units run 'cachefs mount --foreground' instead",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cachefs", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     mount = commands.add_parser("mount", help="mount a cached mirror of a remote dataset")
-    mount.add_argument("backing", nargs="?", help="the remote dataset directory (an NFS path)")
-    mount.add_argument("mountpoint", nargs="?", help="an empty directory to mount on")
-    mount.add_argument("--cache-dir", help="cache directory on the local SSD (created 0700)")
-    mount.add_argument("--cache-size", help="byte budget of the cache: 500G, 1.5T, 200MiB, 10GB")
-    mount.add_argument("--fraction", help="share of the files to keep, 0..1 (default 1.0)")
-    mount.add_argument("--seed", help="seed choosing which files are kept (default 0)")
-    mount.add_argument("--metrics-addr", help=f"HOST:PORT of /metrics (default "
-                       f"127.0.0.1:{DEFAULT_METRICS_PORT}; 0 turns metrics off)")
-    mount.add_argument("--revalidate", help="seconds before a file is checked against the remote "
-                       "again, or 'never' for immutable datasets (default 60)")
-    mount.add_argument("--remote-timeout", help="seconds a read waits on the remote before EIO "
-                       "(default 30)")
-    mount.add_argument("--prefetch-concurrency", help="files prefetched at once (default 32)")
-    mount.add_argument("--staging-size", help="memory for prefetched files the cache does not "
-                       "keep (default 512MiB)")
-    mount.add_argument("--allow-other", action="store_true", default=None,
-                       help="let other users read the mount (permissions are enforced)")
-    mount.add_argument("--passthrough", help="'auto' (default): the kernel reads local files "
-                       "itself where it can (FUSE passthrough, Linux 6.9+, as root); 'off': "
-                       "the daemon serves every read")
-    mount.add_argument("--runtime-dir", help="directory of the control socket")
-    mount.add_argument("--foreground", action="store_true",
-                       help="stay attached and log to stderr (for systemd)")
-    mount.add_argument("--config", help="TOML file with these settings; flags override it")
-    mount.add_argument("--log-file", help="log here (default in /var/log/cachefs or "
-                       "~/.local/state/cachefs when not in the foreground)")
-    mount.add_argument("--debug", action="store_true", help="log every remote fault in detail")
+    add_mount_arguments(mount)
 
     unmount = commands.add_parser("unmount", help="unmount and stop the daemon")
     unmount.add_argument("mountpoint")
@@ -103,11 +117,26 @@ SETTING_FLAGS = ("backing", "mountpoint", "cache_dir", "cache_size", "fraction",
 
 
 def _settings_from_args(args: argparse.Namespace):
+    return _resolve_settings(args)[0]
+
+
+def _resolve_settings(args: argparse.Namespace):
+    """(Settings, {setting: where its value came from}), flags over the config file."""
     raw: dict[str, Any] = read_config_file(args.config) if args.config else {}
     flags = {key: getattr(args, key) for key in SETTING_FLAGS if getattr(args, key) is not None}
     from_file = frozenset(raw.keys() - flags.keys())
     raw.update(flags)
-    return build_settings(raw, config_file=args.config, from_file=from_file)
+    settings = build_settings(raw, config_file=args.config, from_file=from_file)
+    sources = {}
+    for key in SETTING_FLAGS:
+        if key in flags:
+            sources[key] = "argument" if key in ("backing", "mountpoint") else \
+                "--" + key.replace("_", "-")
+        elif key in from_file:
+            sources[key] = f"config {args.config}"
+        else:
+            sources[key] = "default"
+    return settings, sources
 
 
 def _configure_logging(log_file: Path | None, debug: bool) -> None:
