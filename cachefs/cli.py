@@ -67,6 +67,9 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-file", help="log here (default in /var/log/cachefs or "
                         "~/.local/state/cachefs when not in the foreground)")
     parser.add_argument("--debug", action="store_true", help="log every remote fault in detail")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check and show the settings, where each came from, the share of "
+                        "the files the fraction keeps and the data path; mount nothing")
 
 
 # Mount flags that mount(8) and /etc/fstab cannot use, and why: every other flag of
@@ -74,6 +77,7 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
 NOT_FOR_FSTAB = {
     "foreground": "mount(8) waits for the helper to return, which a daemon in the foreground "
                   "never does; systemd units run 'cachefs mount --foreground' instead",
+    "dry_run": "run 'cachefs mount --dry-run' with the same settings instead",
 }
 
 
@@ -160,6 +164,12 @@ def _configure_logging(log_file: Path | None, debug: bool) -> None:
 def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefs import daemon, preflight
 
+    if args.dry_run:
+        from cachefs import dryrun
+
+        settings, sources = _resolve_settings(args)
+        print(dryrun.report(settings, sources))
+        return 0
     settings = _settings_from_args(args)
     note = preflight.preflight(settings)
     if not args.foreground:

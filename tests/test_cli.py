@@ -8,6 +8,9 @@ import socket
 
 import pytest
 
+from cachefs import dryrun
+from cachefs.admission import FractionAdmission
+from cachefs.config import build_settings
 from cachefs.mountpoint import find_mount
 from tests.conftest import make_files, run_cachefs
 
@@ -56,10 +59,11 @@ def assert_refused(result, *words, mnt=None):
     (["--prefetch-concurrency", "0"], ["--prefetch-concurrency"]),
     (["--bogus-flag"], ["unrecognized arguments"]),
 ])
-def test_bad_flags(setup, flags, words):
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["mount", "dry-run"])
+def test_bad_flags(setup, flags, words, dry_run):
     source, mnt, cache = setup
     args = ["mount", str(source), str(mnt), "--cache-dir", str(cache), "--cache-size", "1G"]
-    result = run_cachefs(*args, *flags)
+    result = run_cachefs(*args, *dry_run, *flags)
     assert_refused(result, *words, mnt=mnt)
     assert not cache.exists()
 
@@ -194,3 +198,68 @@ def test_status_and_unmount_of_something_else(tmp_path):
     assert_refused(result, "not a cachefs mount")
     result = run_cachefs("unmount", str(tmp_path))
     assert_refused(result, "not mounted")
+
+
+# -- mount --dry-run ---------------------------------------------------------------------------
+
+def test_dry_run_shows_settings_their_sources_and_the_admitted_share(setup, tmp_path):
+    source, mnt, cache = setup
+    config = tmp_path / "dataset.toml"
+    config.write_text(f"cache_dir = '{cache}'\ncache_size = '100MiB'\nfraction = 0.25\n"
+                      "seed = 7\nmetrics_addr = '0'\n")
+    result = run_cachefs("mount", str(source), str(mnt), "--config", str(config),
+                         "--cache-size", "2GiB", "--passthrough", "off", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    settings_block = result.stdout.split("admission:")[0].splitlines()[2:]
+    rows = {line.split()[0]: line.split() for line in settings_block}
+    assert rows["fraction"][1:] == ["0.25", "config", str(config)]
+    assert rows["seed"][1:] == ["7", "config", str(config)]
+    assert rows["cache_size"][-1] == "--cache-size" and rows["cache_size"][1:3] == ["2", "GiB"]
+    assert rows["revalidate"][1:] == ["60", "s", "default"]
+    assert rows["backing"][1:] == [str(source), "argument"]
+    # The share the hash keeps, counted over the whole tree (20 files).
+    admission = FractionAdmission(0.25, 7)
+    rels = [os.path.relpath(os.path.join(d, n), source)
+            for d, _, names in os.walk(source) for n in names]
+    kept = sum(admission.eligible(r) for r in rels)
+    assert f"keeps {kept / len(rels):.1%} of the files: {kept} of {len(rels)}," in result.stdout
+    assert "the whole tree" in result.stdout
+    assert "served by the daemon: passthrough switched off" in result.stdout
+    # Nothing mounted, nothing created.
+    assert find_mount(mnt) is None and not cache.exists()
+
+
+def test_dry_run_says_what_passthrough_depends_on(setup):
+    source, mnt, cache = setup
+    result = run_cachefs("mount", str(source), str(mnt), "--cache-dir", str(cache),
+                         "--cache-size", "1G", "--metrics-addr", "0", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "Linux 6.9" in text and "CAP_SYS_ADMIN" in text and os.uname().release in text
+
+
+def test_dry_run_samples_a_huge_tree_and_says_so(setup):
+    source, mnt, cache = setup
+    settings = build_settings({"backing": str(source), "mountpoint": str(mnt),
+                               "cache_dir": str(cache), "cache_size": "1G",
+                               "metrics_addr": "0", "fraction": 0.5})
+    count = dryrun.count_admitted(source, 0.5, 0, max_files=5)
+    assert not count.complete and 5 <= count.files < 20
+    text = dryrun.report(settings, {"fraction": "default"}, max_files=5)
+    assert "sampled: the walk stopped after" in text
+    assert dryrun.count_admitted(source, 0.5, 0).complete
+
+
+def test_dry_run_refuses_what_a_mount_refuses(setup):
+    source, mnt, cache = setup
+    cache.mkdir()
+    (cache / "thesis.tex").write_text("precious")
+    base = ["--cache-size", "1G", "--metrics-addr", "0", "--dry-run"]
+    assert_refused(run_cachefs("mount", str(source), str(mnt), "--cache-dir", str(cache), *base),
+                   "not empty", "not a cachefs cache")
+    (mnt / "stray").write_text("x")
+    assert_refused(run_cachefs("mount", str(source), str(mnt), "--cache-dir",
+                               str(cache / "sub"), *base), "MOUNTPOINT", "not empty")
+    assert_refused(run_cachefs("mount", str(source), str(mnt), *base), "cache-dir")
+    assert snapshot(cache) == {"thesis.tex": b"precious"}
