@@ -4,7 +4,13 @@ exit, nothing mounted, and nothing already in the cache dir lost."""
 from __future__ import annotations
 
 import os
+import pty
+import select
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -12,7 +18,7 @@ from cachefs import dryrun
 from cachefs.admission import FractionAdmission
 from cachefs.config import build_settings
 from cachefs.mountpoint import find_mount
-from tests.conftest import make_files, run_cachefs
+from tests.conftest import REPO, make_files, run_cachefs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -263,3 +269,92 @@ def test_dry_run_refuses_what_a_mount_refuses(setup):
                                str(cache / "sub"), *base), "MOUNTPOINT", "not empty")
     assert_refused(run_cachefs("mount", str(source), str(mnt), *base), "cache-dir")
     assert snapshot(cache) == {"thesis.tex": b"precious"}
+
+
+# -- status and warm, in a pipe and on a terminal ------------------------------------------------
+
+def read_until(fd: int, done, timeout: float = 20.0) -> str:
+    """What a terminal (the master side of a pty) shows until ``done(text)`` or the timeout."""
+    text = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not done(text.decode(errors="replace")):
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            text += chunk
+    return text.decode(errors="replace")
+
+
+def run_on_a_terminal(*args: str) -> tuple[subprocess.Popen, int]:
+    primary, secondary = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color", COLUMNS="120", LINES="40")
+    env.pop("NO_COLOR", None)
+    child = subprocess.Popen([sys.executable, "-m", "cachefs", *args], stdin=secondary,
+                             stdout=secondary, stderr=secondary, cwd=REPO, env=env)
+    os.close(secondary)
+    return child, primary
+
+
+def test_status_names_the_data_path_and_watch_into_a_pipe_stays_plain(source, mount_cachefs):
+    make_files(source, 5, size=1000)
+    mount = mount_cachefs(source, passthrough="off")
+    result = run_cachefs("status", str(mount.path))
+    assert result.returncode == 0, result.stderr
+    rows = {line[2:14].strip(): line[15:] for line in result.stdout.splitlines()[1:]}
+    assert rows["data path"].startswith("served by the daemon: passthrough switched off")
+    assert " of 1 GiB (" in rows["cache"]
+    # --watch into a pipe: the same plain block again and again, no escapes.
+    watcher = subprocess.Popen([sys.executable, "-m", "cachefs", "status", "--watch", "0.2",
+                                str(mount.path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        blocks = []
+        block: list[str] = []
+        for line in watcher.stdout:
+            if not line.strip():
+                blocks.append(block)
+                block = []
+                if len(blocks) == 2:
+                    break
+            else:
+                block.append(line.rstrip("\n"))
+    finally:
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=10) == 0
+    for block in blocks:
+        assert "\x1b" not in "".join(block)
+        assert block[0].startswith(f"cachefs {mount.path}  (pid ")
+        assert all(line.startswith("  ") and line[2:14].strip() for line in block[1:])
+        assert any(line.startswith("  data path    served by the daemon") for line in block)
+        assert block[-1].startswith("  at ")
+
+
+def test_watch_and_warm_on_a_terminal_draw_with_rich(tmp_path, source, mount_cachefs):
+    rels = make_files(source, 40, size=2000)
+    mount = mount_cachefs(source, cache_size="64MiB")
+    watcher, screen = run_on_a_terminal("status", "--watch", "0.2", str(mount.path))
+    try:
+        shown = read_until(screen, lambda text: text.count("Ctrl-C to stop") >= 2)
+        assert "╭" in shown and "data path" in shown, shown
+        assert "Traceback" not in shown
+    finally:
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=10) == 0
+        os.close(screen)
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(rels) + "\n")
+    warmer, screen = run_on_a_terminal("warm", str(mount.path), "--list", str(listing))
+    try:
+        shown = read_until(screen, lambda text: "failed" in text)
+        assert warmer.wait(timeout=30) == 0, shown
+    finally:
+        if warmer.poll() is None:
+            warmer.kill()
+        os.close(screen)
+    assert "warming" in shown and "40/40" in shown and "━" in shown, shown
+    assert "warmed 40 files" in shown
+    assert mount.metric("cachefs_cache_files") == 40
