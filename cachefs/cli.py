@@ -1,4 +1,4 @@
-"""The ``cachefs`` command: mount, unmount, status, warm, verify.
+"""The ``cachefs`` command: mount, unmount, status, warm, verify, completion.
 
 Bad input of any kind ends in one line on stderr naming the problem and the
 fix, and a non-zero exit; never a traceback.
@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import shtab
 
 from cachefs import __version__
 from cachefs.config import DEFAULT_METRICS_PORT, build_settings, read_config_file
@@ -110,7 +112,30 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check every cached chunk against its checksum")
     verify.add_argument("--cache-dir", required=True)
     verify.add_argument("--json", action="store_true", help="machine-readable output")
+
+    completion = commands.add_parser(
+        "completion", help="print a shell completion script",
+        description="Print a completion script for SHELL, e.g. "
+        "'cachefs completion bash > /etc/bash_completion.d/cachefs' or, for zsh, into a "
+        "file named _cachefs in a directory of $fpath.")
+    completion.add_argument("shell", choices=COMPLETION_SHELLS)
+    for command in (mount, unmount, status, warm, verify):
+        _complete_paths(command)
     return parser
+
+
+COMPLETION_SHELLS = ("bash", "zsh", "tcsh")
+# What the shell offers for an argument's value, by its dest; other values are free text.
+DIRECTORY_ARGUMENTS = frozenset({"backing", "mountpoint", "cache_dir", "runtime_dir"})
+FILE_ARGUMENTS = frozenset({"config", "log_file", "list"})
+
+
+def _complete_paths(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.dest in DIRECTORY_ARGUMENTS:
+            action.complete = shtab.DIRECTORY  # type: ignore[attr-defined]
+        elif action.dest in FILE_ARGUMENTS:
+            action.complete = shtab.FILE  # type: ignore[attr-defined]
 
 
 # -- mount -----------------------------------------------------------------------------------
@@ -316,6 +341,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return verify(Path(os.path.abspath(args.cache_dir)), as_json=args.json)
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(shtab.complete(build_parser(), shell=args.shell))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -330,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_warm(args)
         if args.command == "verify":
             return cmd_verify(args)
+        if args.command == "completion":
+            return cmd_completion(args)
     except UsageError as exc:
         print(f"cachefs {args.command}: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -358,3 +358,50 @@ def test_watch_and_warm_on_a_terminal_draw_with_rich(tmp_path, source, mount_cac
     assert "warming" in shown and "40/40" in shown and "━" in shown, shown
     assert "warmed 40 files" in shown
     assert mount.metric("cachefs_cache_files") == 40
+
+
+# -- shell completion ----------------------------------------------------------------------------
+
+BASH_COMPLETE = """
+source "$1"
+complete_words() {
+    COMP_WORDS=("$@"); COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 ))
+    COMP_LINE="$*"; COMP_POINT=${#COMP_LINE}; COMPREPLY=()
+    _shtab_cachefs
+    echo "${COMPREPLY[*]}"
+}
+complete_words cachefs ""
+complete_words cachefs mount --pass
+complete_words cachefs mount --cache-dir "$2/"
+"""
+
+
+def test_bash_completion_is_valid_and_completes_commands_flags_and_paths(tmp_path):
+    result = run_cachefs("completion", "bash")
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "cachefs.bash"
+    script.write_text(result.stdout)
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                           timeout=30)
+    assert check.returncode == 0, check.stderr
+    (tmp_path / "nvme").mkdir()
+    completed = subprocess.run(["bash", "-c", BASH_COMPLETE, "bash", str(script),
+                                str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert completed.returncode == 0, completed.stderr
+    commands, flags, paths = completed.stdout.splitlines()
+    assert commands.split() == ["mount", "unmount", "status", "warm", "verify", "completion"]
+    assert flags == "--passthrough"
+    assert f"{tmp_path}/nvme" in paths.split()
+
+
+def test_zsh_completion_and_unknown_shells(tmp_path):
+    result = run_cachefs("completion", "zsh")
+    assert result.returncode == 0 and result.stdout.startswith("#compdef cachefs")
+    assert "--passthrough" in result.stdout and "--dry-run" in result.stdout
+    if subprocess.run(["sh", "-c", "command -v zsh"], capture_output=True).returncode == 0:
+        script = tmp_path / "_cachefs"
+        script.write_text(result.stdout)
+        check = subprocess.run(["zsh", "-n", str(script)], capture_output=True, text=True,
+                               timeout=30)
+        assert check.returncode == 0, check.stderr
+    assert_refused(run_cachefs("completion", "fish"), "invalid choice", "bash")
