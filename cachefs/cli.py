@@ -164,7 +164,8 @@ def _resolve_settings(args: argparse.Namespace):
         elif key in from_file:
             sources[key] = f"config {args.config}"
         else:
-            sources[key] = "default"
+            sources[key] = "default" if key != "log_file" else \
+                "default (stderr with --foreground)"
     return settings, sources
 
 

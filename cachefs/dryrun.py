@@ -119,7 +119,7 @@ def _value_text(key: str, settings: Settings) -> str:
     if key == "log_file" and value is None:
         from cachefs.daemon import default_log_file
 
-        return f"{default_log_file(settings.mountpoint)} (stderr with --foreground)"
+        return str(default_log_file(settings.mountpoint))
     if key == "runtime_dir" and value is None:
         from cachefs.daemon import socket_path
 
