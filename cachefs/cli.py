@@ -1,4 +1,4 @@
-"""The ``cachefs`` command: mount, unmount, status, warm, verify.
+"""The ``cachefs`` command: mount, unmount, status, warm, verify, completion.
 
 Bad input of any kind ends in one line on stderr naming the problem and the
 fix, and a non-zero exit; never a traceback.
@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import shtab
 
 from cachefs import __version__
 from cachefs.config import DEFAULT_METRICS_PORT, build_settings, read_config_file
@@ -37,39 +39,57 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``cachefs mount``: the one list the flags, the config file keys and
+    mount(8)'s ``-o`` options (cachefs/mounthelper.py) are all read from."""
+    parser.add_argument("backing", nargs="?", help="the remote dataset directory (an NFS path)")
+    parser.add_argument("mountpoint", nargs="?", help="an empty directory to mount on")
+    parser.add_argument("--cache-dir", help="cache directory on the local SSD (created 0700)")
+    parser.add_argument("--cache-size", help="byte budget of the cache: 500G, 1.5T, 200MiB, 10GB")
+    parser.add_argument("--fraction", help="share of the files to keep, 0..1 (default 1.0)")
+    parser.add_argument("--seed", help="seed choosing which files are kept (default 0)")
+    parser.add_argument("--metrics-addr", help=f"HOST:PORT of /metrics (default "
+                        f"127.0.0.1:{DEFAULT_METRICS_PORT}; 0 turns metrics off)")
+    parser.add_argument("--revalidate", help="seconds before a file is checked against the remote "
+                        "again, or 'never' for immutable datasets (default 60)")
+    parser.add_argument("--remote-timeout", help="seconds a read waits on the remote before EIO "
+                        "(default 30)")
+    parser.add_argument("--prefetch-concurrency", help="files prefetched at once (default 32)")
+    parser.add_argument("--staging-size", help="memory for prefetched files the cache does not "
+                        "keep (default 512MiB)")
+    parser.add_argument("--allow-other", action="store_true", default=None,
+                        help="let other users read the mount (permissions are enforced)")
+    parser.add_argument("--passthrough", help="'auto' (default): the kernel reads local files "
+                        "itself where it can (FUSE passthrough, Linux 6.9+, as root); 'off': "
+                        "the daemon serves every read")
+    parser.add_argument("--runtime-dir", help="directory of the control socket")
+    parser.add_argument("--foreground", action="store_true",
+                        help="stay attached and log to stderr (for systemd)")
+    parser.add_argument("--config", help="TOML file with these settings; flags override it")
+    parser.add_argument("--log-file", help="log here (default in /var/log/cachefs or "
+                        "~/.local/state/cachefs when not in the foreground)")
+    parser.add_argument("--debug", action="store_true", help="log every remote fault in detail")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check and show the settings, where each came from, the share of "
+                        "the files the fraction keeps and the data path; mount nothing")
+
+
+# Mount flags that mount(8) and /etc/fstab cannot use, and why: every other flag of
+# add_mount_arguments is also an -o option (cachefs/mounthelper.py).
+NOT_FOR_FSTAB = {
+    "foreground": "mount(8) waits for the helper to return, which a daemon in the foreground "
+                  "never does; systemd units run 'cachefs mount --foreground' instead",
+    "dry_run": "run 'cachefs mount --dry-run' with the same settings instead",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cachefs", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     mount = commands.add_parser("mount", help="mount a cached mirror of a remote dataset")
-    mount.add_argument("backing", nargs="?", help="the remote dataset directory (an NFS path)")
-    mount.add_argument("mountpoint", nargs="?", help="an empty directory to mount on")
-    mount.add_argument("--cache-dir", help="cache directory on the local SSD (created 0700)")
-    mount.add_argument("--cache-size", help="byte budget of the cache: 500G, 1.5T, 200MiB, 10GB")
-    mount.add_argument("--fraction", help="share of the files to keep, 0..1 (default 1.0)")
-    mount.add_argument("--seed", help="seed choosing which files are kept (default 0)")
-    mount.add_argument("--metrics-addr", help=f"HOST:PORT of /metrics (default "
-                       f"127.0.0.1:{DEFAULT_METRICS_PORT}; 0 turns metrics off)")
-    mount.add_argument("--revalidate", help="seconds before a file is checked against the remote "
-                       "again, or 'never' for immutable datasets (default 60)")
-    mount.add_argument("--remote-timeout", help="seconds a read waits on the remote before EIO "
-                       "(default 30)")
-    mount.add_argument("--prefetch-concurrency", help="files prefetched at once (default 32)")
-    mount.add_argument("--staging-size", help="memory for prefetched files the cache does not "
-                       "keep (default 512MiB)")
-    mount.add_argument("--allow-other", action="store_true", default=None,
-                       help="let other users read the mount (permissions are enforced)")
-    mount.add_argument("--passthrough", help="'auto' (default): the kernel reads local files "
-                       "itself where it can (FUSE passthrough, Linux 6.9+, as root); 'off': "
-                       "the daemon serves every read")
-    mount.add_argument("--runtime-dir", help="directory of the control socket")
-    mount.add_argument("--foreground", action="store_true",
-                       help="stay attached and log to stderr (for systemd)")
-    mount.add_argument("--config", help="TOML file with these settings; flags override it")
-    mount.add_argument("--log-file", help="log here (default in /var/log/cachefs or "
-                       "~/.local/state/cachefs when not in the foreground)")
-    mount.add_argument("--debug", action="store_true", help="log every remote fault in detail")
+    add_mount_arguments(mount)
 
     unmount = commands.add_parser("unmount", help="unmount and stop the daemon")
     unmount.add_argument("mountpoint")
@@ -92,7 +112,30 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check every cached chunk against its checksum")
     verify.add_argument("--cache-dir", required=True)
     verify.add_argument("--json", action="store_true", help="machine-readable output")
+
+    completion = commands.add_parser(
+        "completion", help="print a shell completion script",
+        description="Print a completion script for SHELL, e.g. "
+        "'cachefs completion bash > /etc/bash_completion.d/cachefs' or, for zsh, into a "
+        "file named _cachefs in a directory of $fpath.")
+    completion.add_argument("shell", choices=COMPLETION_SHELLS)
+    for command in (mount, unmount, status, warm, verify):
+        _complete_paths(command)
     return parser
+
+
+COMPLETION_SHELLS = ("bash", "zsh", "tcsh")
+# What the shell offers for an argument's value, by its dest; other values are free text.
+DIRECTORY_ARGUMENTS = frozenset({"backing", "mountpoint", "cache_dir", "runtime_dir"})
+FILE_ARGUMENTS = frozenset({"config", "log_file", "list"})
+
+
+def _complete_paths(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.dest in DIRECTORY_ARGUMENTS:
+            action.complete = shtab.DIRECTORY  # type: ignore[attr-defined]
+        elif action.dest in FILE_ARGUMENTS:
+            action.complete = shtab.FILE  # type: ignore[attr-defined]
 
 
 # -- mount -----------------------------------------------------------------------------------
@@ -103,11 +146,27 @@ SETTING_FLAGS = ("backing", "mountpoint", "cache_dir", "cache_size", "fraction",
 
 
 def _settings_from_args(args: argparse.Namespace):
+    return _resolve_settings(args)[0]
+
+
+def _resolve_settings(args: argparse.Namespace):
+    """(Settings, {setting: where its value came from}), flags over the config file."""
     raw: dict[str, Any] = read_config_file(args.config) if args.config else {}
     flags = {key: getattr(args, key) for key in SETTING_FLAGS if getattr(args, key) is not None}
     from_file = frozenset(raw.keys() - flags.keys())
     raw.update(flags)
-    return build_settings(raw, config_file=args.config, from_file=from_file)
+    settings = build_settings(raw, config_file=args.config, from_file=from_file)
+    sources = {}
+    for key in SETTING_FLAGS:
+        if key in flags:
+            sources[key] = "argument" if key in ("backing", "mountpoint") else \
+                "--" + key.replace("_", "-")
+        elif key in from_file:
+            sources[key] = f"config {args.config}"
+        else:
+            sources[key] = "default" if key != "log_file" else \
+                "default (stderr with --foreground)"
+    return settings, sources
 
 
 def _configure_logging(log_file: Path | None, debug: bool) -> None:
@@ -131,6 +190,12 @@ def _configure_logging(log_file: Path | None, debug: bool) -> None:
 def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefs import daemon, preflight
 
+    if args.dry_run:
+        from cachefs import dryrun
+
+        settings, sources = _resolve_settings(args)
+        print(dryrun.report(settings, sources))
+        return 0
     settings = _settings_from_args(args)
     note = preflight.preflight(settings)
     if not args.foreground:
@@ -277,6 +342,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return verify(Path(os.path.abspath(args.cache_dir)), as_json=args.json)
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(shtab.complete(build_parser(), shell=args.shell))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -291,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_warm(args)
         if args.command == "verify":
             return cmd_verify(args)
+        if args.command == "completion":
+            return cmd_completion(args)
     except UsageError as exc:
         print(f"cachefs {args.command}: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -7,10 +7,13 @@ mount(8) run, as its EXTERNAL HELPERS section describes,
 
 This module turns OPTIONS into ``cachefs mount`` flags (``cache_dir=X`` becomes
 ``--cache-dir X``, ``allow_other`` becomes ``--allow-other``) and runs it, so the
-helper returns once the mount serves, as mount(8) expects. Options meant for mount(8)
-or systemd (rw, ro, defaults, noauto, _netdev, nofail, x-systemd.*, ...) are ignored:
-a cachefs mount is always read-only, nosuid and nodev. Any other option is rejected in
-one line, unless ``-s`` (sloppy) is given.
+helper returns once the mount serves, as mount(8) expects.  The options are read from
+``cachefs mount``'s own parser (:func:`cachefs.cli.add_mount_arguments`), so every
+flag is an option, ``cache-size`` or ``cache_size`` as the writer prefers, except those
+that make no sense at mount(8)'s hands (``foreground``, ``dry_run``), which are refused.
+Options meant for mount(8) or systemd (rw, ro, defaults, noauto, _netdev, nofail,
+x-systemd.*, ...) are ignored: a cachefs mount is always read-only, nosuid and nodev.
+Any other option is rejected in one line, unless ``-s`` (sloppy) is given.
 
 mount(8) looks for helpers in /sbin, /sbin/fs.d and /sbin/fs, never in $PATH, so the
 console script has to be linked there once:
@@ -28,6 +31,9 @@ or with the settings inline: ``cache_dir=/nvme/cachefs/imagenet,cache_size=500G,
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import functools
 import getopt
 import sys
 
@@ -39,14 +45,6 @@ PROG = "mount.fuse.cachefs"
 EXIT_USAGE = 1
 EXIT_MOUNT_FAILED = 32
 
-# -o NAME=VALUE -> cachefs mount --NAME VALUE.
-VALUE_OPTIONS = frozenset({
-    "cache_dir", "cache_size", "fraction", "seed", "metrics_addr", "revalidate",
-    "remote_timeout", "prefetch_concurrency", "staging_size", "log_file", "runtime_dir",
-    "config", "passthrough",
-})
-# -o NAME -> cachefs mount --NAME.
-FLAG_OPTIONS = frozenset({"allow_other", "debug"})
 # Generic options of mount(8), FUSE and fstab that cachefs has no use for: the mount is
 # read-only, nosuid and nodev, and checks permissions (default_permissions) anyway.
 IGNORED_OPTIONS = frozenset({
@@ -65,26 +63,52 @@ class HelperError(Exception):
     """Bad invocation; the message is the one line shown to the user."""
 
 
+@functools.cache
+def mount_options() -> dict[str, argparse.Action]:
+    """-o NAME -> the ``cachefs mount`` flag it stands for, from the flags themselves."""
+    parser = argparse.ArgumentParser(add_help=False)
+    cli.add_mount_arguments(parser)
+    options = {}
+    for action in parser._actions:
+        long_flags = [flag for flag in action.option_strings if flag.startswith("--")]
+        if long_flags:
+            options[long_flags[0][2:].replace("-", "_")] = action
+    return options
+
+
+def takes_value(action: argparse.Action) -> bool:
+    return action.nargs != 0
+
+
 def translate_options(options: str, *, sloppy: bool = False) -> list[str]:
     """A mount(8) ``-o`` string as ``cachefs mount`` flags."""
+    known = mount_options()
     flags: list[str] = []
     for option in filter(None, options.split(",")):
         if option in IGNORED_OPTIONS or option.startswith(IGNORED_PREFIXES):
             continue
         name, has_value, value = option.partition("=")
         key = name.replace("-", "_")
-        flag = "--" + key.replace("_", "-")
-        if key in VALUE_OPTIONS:
+        action = known.get(key)
+        if action is None:
+            if sloppy:
+                continue
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise HelperError(f"unknown option {option!r}; {hint}the options are the flags of "
+                              "'cachefs mount --help' without the leading --")
+        if key in cli.NOT_FOR_FSTAB:
+            reason = cli.NOT_FOR_FSTAB[key]
+            raise HelperError(f"option {name} is not for mount(8) or fstab: {reason}")
+        flag = action.option_strings[-1]
+        if takes_value(action):
             if not has_value or not value:
                 raise HelperError(f"option {name} needs a value: {name}=...")
             flags += [flag, value]
-        elif key in FLAG_OPTIONS:
+        else:
             if has_value:
                 raise HelperError(f"option {name} takes no value; write just {name}")
             flags.append(flag)
-        elif not sloppy:
-            known = ", ".join(sorted(VALUE_OPTIONS | FLAG_OPTIONS))
-            raise HelperError(f"unknown option {option!r} (cachefs options: {known})")
     return flags
 
 

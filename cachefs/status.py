@@ -26,7 +26,13 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m {seconds}s"
 
 
-def format_status(st: dict) -> str:
+def _data_path(st: dict) -> str:
+    # Older daemons do not report it.
+    return st.get("data_path") or "unknown (the daemon does not say)"
+
+
+def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
+    """The title line and the (label, value) rows that ``cachefs status`` shows."""
     opens = st["file_opens"]
     read = st["read_bytes"]
     capacity = st["cache_capacity_bytes"]
@@ -38,51 +44,102 @@ def format_status(st: dict) -> str:
     else:
         admitting = "full: not admitting, nothing evicted"
     revalidate = st["revalidate_seconds"]
-    lines = [
-        f"cachefs {st['mountpoint']}  (pid {st['pid']}, up {_duration(st['uptime_seconds'])})",
-        f"  remote       {st['backing']}  "
-        f"({'answering' if st['remote_available'] else 'NOT ANSWERING: serving cached files'})",
-        f"  hit ratio    {_ratio(st['hit_ratio'])} of file opens "
-        f"({opens['hit']:,} hits, {opens['prefetched']:,} prefetched, "
-        f"{opens['miss']:,} misses); "
-        f"{_ratio(st['byte_hit_ratio'])} of bytes read",
-        f"  cache        {format_bytes(used)} of {format_bytes(capacity)} "
-        f"({used / capacity:.0%}), {st['cache_files']:,} files, {admitting}",
-        f"  admission    fraction {st['fraction']:g}, seed {st['seed']}; revalidate "
-        f"{'never' if revalidate is None else f'{revalidate:g} s'}",
-        f"  served       {format_bytes(read['cache'])} from cache, "
-        f"{format_bytes(read['prefetch'])} prefetched, {format_bytes(read['remote'])} from remote",
-        f"  remote read  {format_bytes(st['remote_read_bytes'])}",
+    remote_state = "answering" if st["remote_available"] else \
+        "NOT ANSWERING: serving cached files"
+    title = f"cachefs {st['mountpoint']}  (pid {st['pid']}, up {_duration(st['uptime_seconds'])})"
+    rows = [
+        ("remote", f"{st['backing']}  ({remote_state})"),
+        ("hit ratio", f"{_ratio(st['hit_ratio'])} of file opens "
+                      f"({opens['hit']:,} hits, {opens['prefetched']:,} prefetched, "
+                      f"{opens['miss']:,} misses); "
+                      f"{_ratio(st['byte_hit_ratio'])} of bytes read"),
+        ("cache", f"{format_bytes(used)} of {format_bytes(capacity)} "
+                  f"({used / capacity:.0%}), {st['cache_files']:,} files, {admitting}"),
+        ("admission", f"fraction {st['fraction']:g}, seed {st['seed']}; revalidate "
+                      f"{'never' if revalidate is None else f'{revalidate:g} s'}"),
+        ("data path", _data_path(st)),
+        ("served", f"{format_bytes(read['cache'])} from cache, "
+                   f"{format_bytes(read['prefetch'])} prefetched, "
+                   f"{format_bytes(read['remote'])} from remote"),
+        ("remote read", format_bytes(st["remote_read_bytes"])),
     ]
     if "hints" in st:
         hints, prefetch = st["hints"], st["prefetch"]
-        lines.append(
-            f"  hints        {hints['accepted']:,} accepted, {hints['cached']:,} already cached, "
-            f"{hints['invalid']:,} invalid, {hints['dropped']:,} dropped")
-        lines.append(
-            f"  prefetch     {prefetch['used']:,} used, {prefetch['wasted']:,} wasted, "
-            f"{prefetch['failed']:,} failed; {prefetch['queued']:,} queued, "
-            f"{prefetch['inflight']:,} in flight")
+        rows.append(("hints", f"{hints['accepted']:,} accepted, {hints['cached']:,} already "
+                              f"cached, {hints['invalid']:,} invalid, "
+                              f"{hints['dropped']:,} dropped"))
+        rows.append(("prefetch", f"{prefetch['used']:,} used, {prefetch['wasted']:,} wasted, "
+                                 f"{prefetch['failed']:,} failed; {prefetch['queued']:,} queued, "
+                                 f"{prefetch['inflight']:,} in flight"))
     if st["integrity_failures"]:
-        lines.append(f"  integrity    {st['integrity_failures']:,} corrupt chunks dropped and "
-                     "refetched")
-    lines.append(f"  metrics      {st['metrics_url'] or 'off'}")
-    return "\n".join(lines)
+        rows.append(("integrity", f"{st['integrity_failures']:,} corrupt chunks dropped and "
+                                  "refetched"))
+    rows.append(("metrics", st["metrics_url"] or "off"))
+    return title, rows
+
+
+def format_status(st: dict) -> str:
+    """Plain text, one row a line: what a pipe, a log or a test reads."""
+    title, rows = status_rows(st)
+    return "\n".join([title, *(f"  {label:<12} {value}" for label, value in rows)])
+
+
+def _table(st: dict | None, error: str | None, interval: float):
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    stamp = time.strftime("%H:%M:%S")
+    caption = f"{stamp}, every {interval:g} s; Ctrl-C to stop"
+    if st is None:
+        return Table(box=box.SIMPLE, show_header=False,
+                     title=Text(f"cachefs status: {error}", style="bold red"), caption=caption)
+    title, rows = status_rows(st)
+    table = Table(box=box.ROUNDED, show_header=False, title=Text(title, style="bold"),
+                  title_justify="left", caption=caption, caption_justify="left")
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column(overflow="fold")
+    for label, value in rows:
+        alarm = label == "remote" and not st["remote_available"] or \
+            label == "cache" and st.get("cache_write_error")
+        table.add_row(label, Text(value, style="bold red" if alarm else ""))
+    return table
 
 
 def watch(fetch: Callable[[], dict], interval: float) -> int:
-    """Redraw the status every ``interval`` seconds until Ctrl-C."""
+    """Show the status every ``interval`` seconds until Ctrl-C.
+
+    On a terminal, a table redrawn in place (rich's Live); into a pipe or a file, the
+    plain status again and again, each followed by a line with the time, a blank line
+    between them.
+    """
     interval = max(0.2, interval)
     try:
+        if sys.stdout.isatty():
+            return _watch_live(fetch, interval)
         while True:
             try:
                 text = format_status(fetch())
             except UsageError as exc:
                 text = f"cachefs status: {exc}"
-            stamp = time.strftime("%H:%M:%S")
-            sys.stdout.write(f"\x1b[H\x1b[2J{text}\n\n  {stamp}, every {interval:g} s; "
-                             "Ctrl-C to stop\n")
+            sys.stdout.write(f"{text}\n  at {time.strftime('%H:%M:%S')}\n\n")
             sys.stdout.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
         return 0
+
+
+def _watch_live(fetch: Callable[[], dict], interval: float) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    def render():
+        try:
+            return _table(fetch(), None, interval)
+        except UsageError as exc:
+            return _table(None, str(exc), interval)
+
+    with Live(render(), console=Console(), auto_refresh=False, transient=False) as live:
+        while True:
+            time.sleep(interval)
+            live.update(render(), refresh=True)

@@ -2,8 +2,8 @@
 
 Sends ``FETCH path`` requests over several control connections at once (the
 daemon fetches each from the remote into the cache, if the file is admitted)
-and shows a progress bar and a summary.  Without a list, every file under the
-mount is warmed.
+and shows a progress bar (on a terminal; plain lines otherwise) and a summary.
+Without a list, every file under the mount is warmed.
 """
 
 from __future__ import annotations
@@ -45,33 +45,65 @@ def walk_files(mountpoint: Path) -> Iterator[str]:
 
 
 class _Progress:
-    """A one-line progress display on a terminal; silent otherwise."""
+    """Progress on stderr: rich's bar with rate and ETA on a terminal; into a pipe or a
+    log, one plain line every ``PLAIN_EVERY_SECONDS`` (none for a warm shorter than that).
 
-    def __init__(self, total: int | None) -> None:
+    Thread safety: ``update`` is called with the caller's lock held.
+    """
+
+    PLAIN_EVERY_SECONDS = 10.0
+
+    def __init__(self, total: int) -> None:
         self.total = total
-        self.enabled = sys.stderr.isatty()
         self.started = time.monotonic()
-        self._last_draw = 0.0
+        self._last_line = self.started
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
-    def draw(self, done: int, nbytes: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self._last_draw < 0.2):
+            self._bar = Progress(
+                TextColumn("warming"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("files"), _files_per_second_column(),
+                TextColumn("[cyan]{task.fields[cached]}"), TimeElapsedColumn(),
+                TextColumn("eta"), TimeRemainingColumn(),
+                console=Console(stderr=True), transient=False)
+            self._task = self._bar.add_task("warm", total=total, cached=format_bytes(0))
+            self._bar.start()
+
+    def update(self, done: int, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, cached=f"{format_bytes(nbytes)} new")
             return
-        self._last_draw = now
-        rate = done / max(now - self.started, 1e-9)
-        if self.total:
-            width = 30
-            filled = int(width * done / self.total)
-            bar = f"[{'#' * filled}{' ' * (width - filled)}] {done / self.total:4.0%} "
-            count = f"{done:,}/{self.total:,}"
-        else:
-            bar, count = "", f"{done:,}"
-        sys.stderr.write(f"\r{bar}{count} files, {format_bytes(nbytes)}, {rate:,.0f} files/s ")
-        sys.stderr.flush()
+        now = time.monotonic()
+        if now - self._last_line >= self.PLAIN_EVERY_SECONDS:
+            self._last_line = now
+            rate = done / max(now - self.started, 1e-9)
+            print(f"warm: {done:,}/{self.total:,} files, {format_bytes(nbytes)} new, "
+                  f"{rate:,.0f} files/s", file=sys.stderr, flush=True)
 
     def finish(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _files_per_second_column():
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class FilesPerSecond(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("-" if speed is None else f"{speed:,.0f}/s", style="green")
+
+    return FilesPerSecond()
 
 
 def warm(mountpoint: str, paths: Iterable[str], connections: int = DEFAULT_CONNECTIONS) -> int:
@@ -100,7 +132,7 @@ def warm(mountpoint: str, paths: Iterable[str], connections: int = DEFAULT_CONNE
                 results["failed"] += 1
                 if len(errors) < 10:
                     errors.append(f"{path}: {reply.get('error', 'failed')}")
-            progress.draw(sum(results.values()), nbytes)
+            progress.update(sum(results.values()), nbytes)
 
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(max(1, connections)) as pool:
@@ -112,7 +144,7 @@ def warm(mountpoint: str, paths: Iterable[str], connections: int = DEFAULT_CONNE
                     results["failed"] += 1
                     if len(errors) < 10:
                         errors.append(str(exc))
-    progress.draw(sum(results.values()), nbytes, force=True)
+    progress.update(sum(results.values()), nbytes)
     progress.finish()
     elapsed = time.monotonic() - started
     print(f"warmed {len(paths):,} files in {elapsed:.1f} s: {results['fetched']:,} fetched "

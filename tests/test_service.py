@@ -25,9 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.cli import NOT_FOR_FSTAB, SETTING_FLAGS, build_parser
 from cachefs.config import build_settings, read_config_file
 from cachefs.metrics import Metrics
-from cachefs.mounthelper import EXIT_USAGE, build_command
+from cachefs.mounthelper import EXIT_USAGE, build_command, mount_options, takes_value
 from cachefs.mountpoint import find_mount, unmount
 from tests.conftest import read_bounded
 
@@ -348,13 +349,60 @@ def test_mount_helper_translates_options_and_ignores_mount8_ones():
     assert not fake and not verbose
 
 
-@pytest.mark.parametrize("options", ["cache_dir=/c,bogus=1", "allow_other=yes", "cache_dir="])
-def test_mount_helper_rejects_bad_options_in_one_line(options):
+def test_every_mount_flag_is_an_option_and_round_trips():
+    """Each flag of `cachefs mount` is an -o option that gives the flag's value, spelt with
+    _ or -, so a new flag is an fstab option without touching the helper."""
+    options = mount_options()
+    assert {key for key in SETTING_FLAGS if key not in ("backing", "mountpoint")} \
+        <= options.keys()
+    assert {"passthrough", "config", "debug"} <= options.keys()
+    parser = build_parser()
+    for name, action in options.items():
+        if name in NOT_FOR_FSTAB:
+            continue
+        for spelling in (name, name.replace("_", "-")):
+            value = f"{name}-value" if takes_value(action) else None
+            option = f"{spelling}={value}" if value else spelling
+            command, _, _ = build_command(["/remote", "/mnt", "-o", f"rw,{option},nofail"])
+            args = parser.parse_args(command)
+            assert getattr(args, action.dest) == (value or True), option
+            assert (args.backing, args.mountpoint) == ("/remote", "/mnt")
+    command, _, _ = build_command(["/r", "/m", "-o", "passthrough=off"])
+    assert command[-2:] == ["--passthrough", "off"]
+
+
+@pytest.mark.parametrize("options, words", [
+    ("cache_dir=/c,bogus=1", ["unknown option 'bogus=1'", "cachefs mount --help"]),
+    ("cache_sise=1G", ["did you mean cache_size"]),
+    ("allow_other=yes", ["takes no value"]),
+    ("cache_dir=", ["needs a value"]),
+    ("passthrough", ["needs a value"]),
+    ("foreground", ["not for mount(8) or fstab", "--foreground"]),
+    ("dry-run", ["not for mount(8) or fstab", "--dry-run"]),
+])
+def test_mount_helper_rejects_bad_options_in_one_line(options, words):
     result = subprocess.run([sys.executable, "-m", "cachefs.mounthelper", "/a", "/b", "-o",
                              options], capture_output=True, text=True, timeout=30, cwd=REPO)
     assert result.returncode == EXIT_USAGE
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
     assert result.stderr.startswith("mount.fuse.cachefs: ")
+    for word in words:
+        assert word in result.stderr, result.stderr
+    # The list of options is not dumped on the user.
+    assert len(result.stderr) < 250, result.stderr
+
+
+def test_mount_helper_reports_a_bad_value_as_cachefs_mount_does(tmp_path):
+    (tmp_path / "mnt").mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "cachefs.mounthelper", str(tmp_path), str(tmp_path / "mnt"),
+         "-o", f"cache_dir={tmp_path / 'c'},cache_size=1G,passthrough=sometimes"],
+        capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == \
+        ["cachefs mount: --passthrough: 'sometimes' is neither 'auto' nor 'off'"]
+    assert find_mount(tmp_path / "mnt") is None
 
 
 def test_mount_helper_sloppy_ignores_unknown_options():
@@ -370,6 +418,7 @@ mount --bind "$HELPER_DIR" /usr/sbin
 mount -t fuse.cachefs "$BACKING" "$MNT1" -o "$OPTIONS1"
 test "$(findmnt -n -o FSTYPE,SOURCE "$MNT1")" = "fuse.cachefs $BACKING"
 cmp "$BACKING/train/a.bin" "$MNT1/train/a.bin"
+"$PYTHON" -m cachefs status --json "$MNT1" > "$STATUS1"
 umount "$MNT1"
 # The fstab line, as `mount /mnt/...` at boot would use it.
 LIBMOUNT_FSTAB="$FSTAB" mount "$MNT2"
@@ -399,7 +448,9 @@ def test_mount8_and_fstab_mount_through_the_helper(tmp_path):
         (tmp_path / name).mkdir()
     common = f"metrics_addr=0,runtime_dir={tmp_path / 'run'}"
     options1 = (f"rw,nosuid,nodev,_netdev,nofail,x-systemd.automount,cache_dir={tmp_path / 'c1'}"
-                f",cache_size=64MiB,fraction=0.5,{common},log_file={tmp_path / 'mnt1.log'}")
+                f",cache_size=64MiB,fraction=0.5,{common},log_file={tmp_path / 'mnt1.log'},"
+                "seed=7,revalidate=never,remote-timeout=20,prefetch_concurrency=8,"
+                "staging_size=32MiB,passthrough=off,debug")
     fstab = tmp_path / "fstab"
     fstab.write_text(
         "# <source> <mount point> <type> <options> <dump> <pass>\n"
@@ -408,7 +459,7 @@ def test_mount8_and_fstab_mount_through_the_helper(tmp_path):
         " 0 0\n")
     env = dict(os.environ, HELPER_DIR=str(helper_dir), BACKING=str(backing),
                MNT1=str(tmp_path / "mnt1"), MNT2=str(tmp_path / "mnt2"), OPTIONS1=options1,
-               FSTAB=str(fstab), PYTHON=sys.executable,
+               FSTAB=str(fstab), PYTHON=sys.executable, STATUS1=str(tmp_path / "status1.json"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     result = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
@@ -418,6 +469,10 @@ def test_mount8_and_fstab_mount_through_the_helper(tmp_path):
     assert result.returncode == 0 and "NAMESPACE-OK" in result.stdout, \
         f"{result.stdout}\n{result.stderr}{logs}"
     assert find_mount(tmp_path / "mnt1") is None and find_mount(tmp_path / "mnt2") is None
+    # The -o options reached the daemon.
+    status = json.loads((tmp_path / "status1.json").read_text())
+    assert (status["fraction"], status["seed"], status["revalidate_seconds"]) == (0.5, 7, None)
+    assert status["data_path"].startswith("served by the daemon: passthrough switched off")
 
 
 # -- Prometheus, Grafana, Kubernetes -------------------------------------------------------
