@@ -30,7 +30,7 @@ from cachefs.config import build_settings, read_config_file
 from cachefs.metrics import Metrics
 from cachefs.mounthelper import EXIT_USAGE, build_command, mount_options, takes_value
 from cachefs.mountpoint import find_mount, unmount
-from tests.conftest import read_bounded
+from tests.conftest import make_files, read_bounded, run_cachefs
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "cachefs@.service"
@@ -180,15 +180,56 @@ def test_generator_reads_the_paths_without_tomllib(tmp_path):
     assert unit_environment(settings) == {"CACHEFS_MOUNTPOINT": "/mnt/imagenet"}
 
 
+# The kernel's own form of MemoryDenyWriteExecute (prctl PR_SET_MDWE, Linux 6.3+), inherited
+# by the program it executes: no mapping may become writable and executable.
+RUN_WITHOUT_WRITE_EXECUTE = """
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(65, 1, 0, 0, 0) != 0:  # PR_SET_MDWE, REFUSE_EXEC_GAIN
+    sys.exit(f"prctl: {os.strerror(ctypes.get_errno())}")
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def test_the_daemon_runs_where_memory_is_never_writable_and_executable(tmp_path, source,
+                                                                          remote):
+    """The unit sets MemoryDenyWriteExecute: the FUSE session, the mount and everything the
+    daemon imports must work under it (a ctypes callback or a JIT would be refused)."""
+    make_files(source, 3, size=5000)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mount = subprocess.run(
+        [sys.executable, "-c", RUN_WITHOUT_WRITE_EXECUTE, "-m", "cachefs", "mount",
+         str(remote.path), str(mnt), "--cache-dir", str(tmp_path / "cache"),
+         "--cache-size", "64M", "--fraction", "1", "--metrics-addr", "0",
+         "--log-file", str(tmp_path / "log")],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    try:
+        assert mount.returncode == 0, mount.stderr
+        for path in sorted(source.rglob("*")):
+            if path.is_file():
+                relative = path.relative_to(source)
+                assert (mnt / relative).read_bytes() == path.read_bytes()
+        status = run_cachefs("status", "--json", str(mnt))
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["data_path"]
+    finally:
+        run_cachefs("unmount", str(mnt))
+        if find_mount(mnt) is not None:
+            subprocess.run(["fusermount", "-uz", str(mnt)], check=False)
+
+
 def test_unit_keeps_the_mount_visible_and_restarts_on_failure():
     service = read_unit(UNIT)["Service"]
     # Each of these gives the service its own mount namespace (or hides /dev/fuse):
     # the mount would exist only inside the service.
     for hiding in ("ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateMounts",
                    "PrivateDevices", "ProtectKernelTunables", "ProtectKernelModules",
-                   "ProtectControlGroups", "ProtectClock", "MemoryDenyWriteExecute",
+                   "ProtectControlGroups", "ProtectClock",
                    "ReadOnlyPaths", "InaccessiblePaths", "TemporaryFileSystem"):
         assert hiding not in service, hiding
+    # Hardening that hides nothing, and that the daemon's code runs under (next test).
+    assert service["NoNewPrivileges"] == ["yes"]
+    assert service["MemoryDenyWriteExecute"] == ["yes"]
     # A umask that hides the control socket's directory from the training jobs' users.
     assert "UMask" not in service
     assert service["Type"] == ["notify"]
