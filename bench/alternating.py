@@ -19,10 +19,10 @@ from pathlib import Path
 from bench import counters
 from bench.dataset import Dataset
 from bench.driver import ChildLoop, LoopConfig, LoopFailed
+from bench.emulator.remote import EmulatedRemote
 from bench.filerate import read_pass
 from bench.measure import cache_budget, remote_path
 from bench.mounts import CachefsMount, MountError
-from bench.remote import EmulatedRemote
 from bench.settings import RunSettings
 
 FILL_THREADS = 16

@@ -46,7 +46,7 @@ def cachefs_opens(snapshot: Snapshot) -> float:
 
 
 def emulator_snapshot(stats: dict) -> Snapshot:
-    """The emulated remote's counters (bench.remote.EmulatedRemote.stats())."""
+    """The emulated remote's counters (bench.emulator.remote.EmulatedRemote.stats())."""
     return {"remote_bytes": float(stats.get("read_bytes", 0)),
             "remote_opens": float(stats.get("opens", 0)),
             "remote_cpu_seconds": float(stats.get("cpu_seconds", 0.0))}
@@ -55,7 +55,7 @@ def emulator_snapshot(stats: dict) -> Snapshot:
 def daemon_cpu_snapshot(pid: int | None) -> Snapshot:
     """The daemon's CPU (user + system, all threads): what one file read through it costs is
     the figure the data path is designed around."""
-    from bench.remote import process_cpu_seconds
+    from bench.emulator.remote import process_cpu_seconds
 
     try:
         return {"cachefs_cpu_seconds": process_cpu_seconds(pid)} if pid else {}

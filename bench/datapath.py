@@ -39,8 +39,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.driver import drop_page_cache
+from bench.emulator.remote import EmulatedRemote
 from bench.mounts import CachefsMount
-from bench.remote import EmulatedRemote
 
 PATHS = ("fill", "cached", "warm", "not kept")
 VARIANTS = {"auto": ("--passthrough", "auto"), "off": ("--passthrough", "off")}

@@ -26,9 +26,9 @@ from pathlib import Path
 from bench import counters
 from bench.dataset import Dataset
 from bench.driver import drop_page_cache
+from bench.emulator.remote import EmulatedRemote
 from bench.measure import cache_budget, remote_path
 from bench.mounts import CachefsMount, MountError
-from bench.remote import EmulatedRemote
 from bench.settings import RunSettings
 
 COLD_PASSES = 2

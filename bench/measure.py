@@ -15,8 +15,8 @@ from pathlib import Path
 from bench import counters
 from bench.dataset import Dataset
 from bench.driver import LoopConfig, LoopFailed, run_in_child
+from bench.emulator.remote import EmulatedRemote
 from bench.mounts import CachefsMount, MountError, RcloneMount
-from bench.remote import EmulatedRemote
 from bench.settings import RunSettings
 from bench.variants import CACHEFS, DIRECT, LOCAL, RCLONE, Variant
 
@@ -39,7 +39,7 @@ def cache_budget(fraction: float, dataset: Dataset) -> int:
     kept share of the bytes is F only on average; sizing by the kept files themselves gives
     the cache exactly what it needs, as an operator sizing a cache for F would.
     """
-    from cachefs.admission import FractionAdmission
+    from cachefs.store.admission import FractionAdmission
 
     admission = FractionAdmission(fraction)
     kept = [size for path, size in dataset.file_sizes().items() if admission.eligible(path)]

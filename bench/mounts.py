@@ -2,7 +2,7 @@
 
 Each is a context manager that returns once the mount serves and, on the way out, leaves
 nothing mounted, whatever happened inside: a clean unmount first, then ``fusermount -uz``,
-then the daemon is killed. The emulated remote itself is bench.remote.EmulatedRemote.
+then the daemon is killed. The emulated remote itself is bench.emulator.remote.EmulatedRemote.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench import slowfs
+from bench.emulator import slowfs
 
 REPO = Path(__file__).resolve().parent.parent
 MOUNT_TIMEOUT_S = 60.0

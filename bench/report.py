@@ -123,7 +123,7 @@ def markdown(results: dict, png_name: str | None) -> str:
                 "alone would allow.", ""]
     out += [f"Dataset `{d['name']}`: {d['examples']:,} examples in {d['files']:,} files, "
             f"{d['bytes'] / MIB:.0f} MiB, behind an emulated `{s['profile']}` remote "
-            "(bench/slowfs.py). "
+            "(bench/emulator/slowfs.py). "
             f"DataLoader: {s['workers']} workers, batch {s['batch']}, shuffled; a simulated GPU "
             f"step of {s['step_ms']:.1f} ms per batch, so a pace of {s['pace']:.0f} samples/s; "
             f"{s['epochs']} paced epoch(s) per variant"

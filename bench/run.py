@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import alternating, filerate, machine, report, slowfs, targets
+from bench import alternating, filerate, machine, report, targets
 from bench import dataset as dataset_mod
+from bench.emulator import slowfs
+from bench.emulator.remote import EmulatedRemote
 from bench.measure import measure_variant
-from bench.remote import EmulatedRemote
 from bench.settings import RunSettings, build_parser, settings_from_args
 
 
@@ -82,7 +83,7 @@ def _measure_this_tree() -> dict:
 def _eligible_shares(data: dataset_mod.Dataset, fractions: tuple[float, ...]) -> dict:
     """Share of the files cachefs keeps at each fraction (seed 0), by its own admission rule:
     the hit ratio a perfect run shows, which differs from F by the luck of the hash draw."""
-    from cachefs.admission import FractionAdmission
+    from cachefs.store.admission import FractionAdmission
 
     files = data.files
     return {f"{f:g}": sum(map(FractionAdmission(f).eligible, files)) / len(files)

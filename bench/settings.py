@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bench import variants as variants_mod
 from bench.dataset import DEFAULT_MEAN_KIB, KIND_IMAGES, KINDS, DatasetSpec
-from bench.slowfs import PROFILES
+from bench.emulator.slowfs import PROFILES
 
 BENCH_DIR = Path(__file__).resolve().parent
 # ResNet-50 on a V100: n = 128 examples every t = 87 ms, about 1,457 examples/s (NOTES.md).

@@ -1,3 +1,3 @@
-from cachefs.cli import main
+from cachefs.service.cli import main
 
 raise SystemExit(main())

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefs.mountpoint import find_mount, unmount
+from cachefs.kernel.mountpoint import find_mount, unmount
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -132,7 +132,7 @@ def source(tmp_path: Path) -> Path:
 @pytest.fixture
 def remote(tmp_path: Path, source: Path) -> Iterator:
     """An NFS-like remote over ``source``, without added latency unless a test sets it."""
-    from bench.remote import EmulatedRemote
+    from bench.emulator.remote import EmulatedRemote
 
     (tmp_path / "remote").mkdir()
     emulator = EmulatedRemote(source, tmp_path / "remote", profile="local",

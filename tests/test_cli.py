@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from cachefs import dryrun
-from cachefs.admission import FractionAdmission
-from cachefs.config import build_settings
-from cachefs.mountpoint import find_mount
+from cachefs.kernel.mountpoint import find_mount
+from cachefs.service import dryrun
+from cachefs.service.config import build_settings
+from cachefs.store.admission import FractionAdmission
 from tests.conftest import REPO, make_files, run_cachefs
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,5 @@
-"""Tests of the slow NFS-like remote emulator (bench.slowfs, bench.remote) on real FUSE mounts.
+"""Tests of the slow NFS-like remote emulator (bench.emulator.slowfs, bench.emulator.remote) on
+real FUSE mounts.
 
 They check what a user of the mount sees: the same bytes and metadata as SOURCE, a read-only
 file system, changes in SOURCE visible at once, ESTALE on files replaced under an open fd,
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import remote_cost, slowfs
-from bench.remote import EmulatedRemote
+from bench.emulator import remote_cost, slowfs
+from bench.emulator.remote import EmulatedRemote
 from cachefs.kernel.protocol import ROOT_ID
 from cachefs.kernel.session import Connection, Request
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from cachefs.attr import Version
-from cachefs.index import data_key
-from cachefs.layout import CacheLayout
-from cachefs.store import CHUNK_BYTES
+from cachefs.store.index import data_key
+from cachefs.store.layout import CacheLayout
+from cachefs.store.store import CHUNK_BYTES
 from tests.conftest import (
     disk_usage,
     errno_of,
@@ -383,8 +383,8 @@ def test_damaged_chunks_are_never_served_and_are_refetched(source, remote, mount
 def _complete_files(cache_dir: Path, scratch: Path) -> set[str]:
     """Files the index (a copy of it, so the daemon's own reconciliation is not disturbed)
     records as stored whole."""
-    from cachefs.index import CacheIndex, split_key
-    from cachefs.store import chunk_count
+    from cachefs.store.index import CacheIndex, split_key
+    from cachefs.store.store import chunk_count
 
     shutil.copytree(cache_dir / "index", scratch)
     index = CacheIndex(scratch)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.store import CHUNK_BYTES
+from cachefs.store.store import CHUNK_BYTES
 from tests.conftest import control_socket_path, make_files, process_figures, wait_for
 
 pytestmark = pytest.mark.timeout(420)

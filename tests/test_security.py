@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.control import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_USER, MAX_LINE_BYTES
-from cachefs.prefetch import MAX_QUEUED_HINTS
+from cachefs.control.server import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_USER, MAX_LINE_BYTES
+from cachefs.prefetch.prefetcher import MAX_QUEUED_HINTS
 from tests.conftest import (
     CachefsMount,
     control_socket_path,

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.cli import NOT_FOR_FSTAB, SETTING_FLAGS, build_parser
-from cachefs.config import build_settings, read_config_file
+from cachefs.kernel.mountpoint import find_mount, unmount
 from cachefs.metrics import Metrics
-from cachefs.mounthelper import EXIT_USAGE, build_command, mount_options, takes_value
-from cachefs.mountpoint import find_mount, unmount
+from cachefs.service.cli import NOT_FOR_FSTAB, SETTING_FLAGS, build_parser
+from cachefs.service.config import build_settings, read_config_file
+from cachefs.service.mounthelper import EXIT_USAGE, build_command, mount_options, takes_value
 from tests.conftest import make_files, read_bounded, run_cachefs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -422,7 +422,7 @@ def test_every_mount_flag_is_an_option_and_round_trips():
     ("dry-run", ["not for mount(8) or fstab", "--dry-run"]),
 ])
 def test_mount_helper_rejects_bad_options_in_one_line(options, words):
-    result = subprocess.run([sys.executable, "-m", "cachefs.mounthelper", "/a", "/b", "-o",
+    result = subprocess.run([sys.executable, "-m", "cachefs.service.mounthelper", "/a", "/b", "-o",
                              options], capture_output=True, text=True, timeout=30, cwd=REPO)
     assert result.returncode == EXIT_USAGE
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -437,7 +437,7 @@ def test_mount_helper_rejects_bad_options_in_one_line(options, words):
 def test_mount_helper_reports_a_bad_value_as_cachefs_mount_does(tmp_path):
     (tmp_path / "mnt").mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "cachefs.mounthelper", str(tmp_path), str(tmp_path / "mnt"),
+        [sys.executable, "-m", "cachefs.service.mounthelper", str(tmp_path), str(tmp_path / "mnt"),
          "-o", f"cache_dir={tmp_path / 'c'},cache_size=1G,passthrough=sometimes"],
         capture_output=True, text=True, timeout=30, cwd=REPO)
     assert result.returncode != 0
@@ -480,7 +480,7 @@ def test_mount8_and_fstab_mount_through_the_helper(tmp_path):
     helper_dir.mkdir()
     helper = helper_dir / "mount.fuse.cachefs"
     helper.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
-                      "from cachefs.mounthelper import main\nsys.exit(main())\n")
+                      "from cachefs.service.mounthelper import main\nsys.exit(main())\n")
     helper.chmod(0o755)
     backing = tmp_path / "remote"
     (backing / "train").mkdir(parents=True)

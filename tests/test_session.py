@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.mountpoint import find_mount, unmount
+from cachefs.kernel.mountpoint import find_mount, unmount
 from tests.conftest import REPO, errno_of, wait_for
 
 pytestmark = [pytest.mark.timeout(60)]

@@ -10,16 +10,16 @@ import stat
 
 import pytest
 
-from cachefs.admission import FractionAdmission
 from cachefs.attr import Attr, Version
-from cachefs.config import build_settings, parse_metrics_addr
 from cachefs.errors import CacheCorrupt, RemoteChanged, RemoteUnavailable, UsageError
-from cachefs.index import data_key
 from cachefs.kernel import protocol
-from cachefs.kernel.mirrorfs import MirrorFS
 from cachefs.kernel.session import Request, Session
+from cachefs.mirror.mirrorfs import MirrorFS
+from cachefs.service.config import build_settings, parse_metrics_addr
 from cachefs.sizes import parse_size
-from cachefs.store import CHUNK_BYTES, CacheStore, chunk_count
+from cachefs.store.admission import FractionAdmission
+from cachefs.store.index import data_key
+from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
 from tests.conftest import disk_usage
 
 
@@ -270,7 +270,7 @@ def test_chunks_written_at_once_into_a_new_directory_all_land(tmp_path):
     """Writers racing to create the same fan-out directory all succeed."""
     import threading
 
-    from cachefs.layout import CacheLayout
+    from cachefs.store.layout import CacheLayout
 
     layout = CacheLayout(tmp_path / "cache", CHUNK_BYTES)
     layout.prepare()

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 
 from cachefs import remotewait
 from cachefs.attr import Attr, Version
-from cachefs.attrcache import AttrCache, relpath_key
 from cachefs.errors import CachefsError, NotInTree
-from cachefs.fetcher import Fetcher
 from cachefs.metrics import Metrics
-from cachefs.paths import Caller, normalize, resolve
-from cachefs.remote import Remote
-from cachefs.staging import StagingArea, memory_file
-from cachefs.store import CHUNK_BYTES, CacheStore, chunk_count
+from cachefs.prefetch.paths import Caller, normalize, resolve
+from cachefs.prefetch.staging import StagingArea, memory_file
+from cachefs.remote.attrcache import AttrCache, relpath_key
+from cachefs.remote.fetcher import Fetcher
+from cachefs.remote.remote import Remote
+from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from cachefs.attr import Attr
 from cachefs.errors import RemoteUnavailable
-from cachefs.remote import Remote
+from cachefs.remote.remote import Remote
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from cachefs.controlclient import connect, request
+from cachefs.control.client import connect, request
 from cachefs.errors import UsageError
 from cachefs.sizes import format_bytes
 

@@ -1,6 +1,6 @@
 """The read-only mirror of BACKING, served from the local cache where it can be.
 
-This is the plain-Python core behind the FUSE adapter (cachefs/kernel/mirrorfs.py) and
+This is the plain-Python core behind the FUSE adapter (cachefs/mirror/mirrorfs.py) and
 the control socket's fast path: paths relative to BACKING in, attributes and local files
 out, domain exceptions and remote OSErrors for failures.  It can be driven without a mount.
 
@@ -33,15 +33,15 @@ import threading
 from dataclasses import dataclass, field
 
 from cachefs.attr import Attr
-from cachefs.attrcache import AttrCache, relpath_key
 from cachefs.errors import CacheCorrupt, RemoteChanged
-from cachefs.fetcher import Fetcher
-from cachefs.index import FileRecord
 from cachefs.metrics import OPEN_RESULTS, READ_SOURCES, Metrics
-from cachefs.prefetch import Prefetcher
-from cachefs.remote import Remote, RemoteFile
-from cachefs.staging import memory_file
-from cachefs.store import CHUNK_BYTES, CacheStore, chunk_span
+from cachefs.prefetch.prefetcher import Prefetcher
+from cachefs.prefetch.staging import memory_file
+from cachefs.remote.attrcache import AttrCache, relpath_key
+from cachefs.remote.fetcher import Fetcher
+from cachefs.remote.remote import Remote, RemoteFile
+from cachefs.store.index import FileRecord
+from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_span
 
 log = logging.getLogger(__name__)
 

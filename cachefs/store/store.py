@@ -39,11 +39,11 @@ from pathlib import Path
 
 import xxhash
 
-from cachefs.admission import FractionAdmission
 from cachefs.attr import Attr, Version
 from cachefs.errors import CacheCorrupt
-from cachefs.index import CacheIndex, ChunkRecord, FileRecord, chunk_key, data_key, split_key
-from cachefs.layout import BLOCK_BYTES, CacheLayout
+from cachefs.store.admission import FractionAdmission
+from cachefs.store.index import CacheIndex, ChunkRecord, FileRecord, chunk_key, data_key, split_key
+from cachefs.store.layout import BLOCK_BYTES, CacheLayout
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import stat
 from dataclasses import dataclass
 
 from cachefs.attr import Attr
-from cachefs.attrcache import AttrCache
 from cachefs.errors import NotInTree
-from cachefs.remote import Remote
+from cachefs.remote.attrcache import AttrCache
+from cachefs.remote.remote import Remote
 
 MAX_PATH_BYTES = 4096
 MAX_SYMLINK_HOPS = 8

@@ -12,11 +12,11 @@ import json
 import time
 from pathlib import Path
 
-from cachefs.admission import FractionAdmission
 from cachefs.errors import UsageError
-from cachefs.layout import MARKER_NAME
 from cachefs.sizes import format_bytes
-from cachefs.store import CacheStore
+from cachefs.store.admission import FractionAdmission
+from cachefs.store.layout import MARKER_NAME
+from cachefs.store.store import CacheStore
 
 
 def verify(cache_dir: Path, *, as_json: bool = False) -> int:

@@ -14,8 +14,8 @@ import threading
 from cachefs import remotewait
 from cachefs.attr import Attr, Version
 from cachefs.errors import CacheCorrupt, RemoteChanged, RemoteUnavailable
-from cachefs.remote import Remote
-from cachefs.store import CacheStore, chunk_span
+from cachefs.remote.remote import Remote
+from cachefs.store.store import CacheStore, chunk_span
 
 
 class Fetcher:

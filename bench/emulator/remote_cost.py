@@ -1,12 +1,12 @@
-"""remote_cost: what the emulated remote (bench/slowfs.py) costs in CPU per file, beside the
-latency it injects.
+"""remote_cost: what the emulated remote (bench/emulator/slowfs.py) costs in CPU per file,
+beside the latency it injects.
 
 The emulator runs on the same cores as the daemon under test, so every millisecond of CPU it
 burns is taken from what is being measured. It must stay small beside what it emulates: its own
 CPU per file at most TARGET_RATIO (10 %) of the latency it injects per file.
 
-    python3 -m bench.remote_cost [--files 2000] [--size 65536] [--readers 8] [--profile efs]
-        [--repeats 3] [--slowfs FILE] [--against FILE]...
+    python3 -m bench.emulator.remote_cost [--files 2000] [--size 65536] [--readers 8]
+        [--profile efs] [--repeats 3] [--slowfs FILE] [--against FILE]...
 
 Makes FILES files of SIZE bytes in a temporary directory, serves them with the emulator (a
 fresh mount per repeat), reads every file once with READERS processes (open, read to the end,
@@ -14,7 +14,7 @@ close), and prints for each run: files/s, the latency injected per file (from th
 op counters and its settings), the emulator's CPU per file (utime + stime from /proc over the
 reads only) and their ratio, with the verdict. ``--slowfs FILE`` runs another slowfs.py
 instead of this tree's; ``--against FILE`` measures another one too, the two taking turns run
-by run, for a before/after figure (``git show REV:bench/slowfs.py > old.py``). Another
+by run, for a before/after figure (``git show REV:bench/emulator/slowfs.py > old.py``). Another
 slowfs.py's control socket must speak the same protocol.
 """
 
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench import slowfs
-from bench.remote import EmulatedRemote
+from bench.emulator import slowfs
+from bench.emulator.remote import EmulatedRemote
 
 TARGET_RATIO = 0.10
 DATASET_DIR = "data"
@@ -198,7 +198,7 @@ def summary(runs: list[Run]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python3 -m bench.remote_cost",
+        prog="python3 -m bench.emulator.remote_cost",
         description="Measure the emulated remote's own CPU per file against the latency it "
                     "injects (target: at most 10 %).")
     parser.add_argument("--files", type=int, default=2000, help="files in the dataset")

@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 from cachefs.errors import UsageError
-from cachefs.mountpoint import FSTYPE, find_mount
-from cachefs.tree import CONTROL_NAME
+from cachefs.kernel.mountpoint import FSTYPE, find_mount
+from cachefs.mirror.tree import CONTROL_NAME
 
 CONNECT_TIMEOUT_SECONDS = 5.0
 

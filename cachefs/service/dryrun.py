@@ -22,11 +22,11 @@ from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
-from cachefs.admission import FractionAdmission
-from cachefs.config import FIELD_FOR_KEY, Settings
 from cachefs.errors import UsageError
-from cachefs.layout import MARKER_NAME
+from cachefs.service.config import FIELD_FOR_KEY, Settings
 from cachefs.sizes import format_bytes
+from cachefs.store.admission import FractionAdmission
+from cachefs.store.layout import MARKER_NAME
 
 # The walk stops at whichever comes first; the hash does not depend on the order, so the
 # files seen are a fair sample of the tree for the share they show.
@@ -117,11 +117,11 @@ def data_path(settings: Settings) -> str:
 def _value_text(key: str, settings: Settings) -> str:
     value = getattr(settings, FIELD_FOR_KEY.get(key, key))
     if key == "log_file" and value is None:
-        from cachefs.daemon import default_log_file
+        from cachefs.service.daemon import default_log_file
 
         return str(default_log_file(settings.mountpoint))
     if key == "runtime_dir" and value is None:
-        from cachefs.daemon import socket_path
+        from cachefs.service.daemon import socket_path
 
         return str(socket_path(settings).parent)
     if value is None:
@@ -142,9 +142,9 @@ def check(settings: Settings) -> list[str]:
 
     Raises the UsageError a mount would raise.
     """
-    from cachefs import preflight
+    from cachefs.kernel.mountpoint import find_mount, probe
     from cachefs.metrics import Metrics
-    from cachefs.mountpoint import find_mount, probe
+    from cachefs.service import preflight
 
     notes = []
     preflight.check_backing(settings.backing)

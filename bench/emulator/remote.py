@@ -1,10 +1,11 @@
 """EmulatedRemote: the Python handle that tests and benchmarks use for a slow NFS-like remote.
 
-It runs ``python -m bench.slowfs SOURCE MOUNTPOINT --foreground`` as a child process, waits until
-the mount serves, talks to the daemon's control socket (faults, settings, stats) and always
-leaves nothing mounted when stopped. See bench/slowfs.py for what the emulation does.
-``cpu_seconds()`` is the CPU the daemon has used, for benchmarks to report what the emulator took
-from the cores they measure on (bench/remote_cost.py weighs it against the latency injected).
+It runs ``python -m bench.emulator.slowfs SOURCE MOUNTPOINT --foreground`` as a child process,
+waits until the mount serves, talks to the daemon's control socket (faults, settings, stats)
+and always leaves nothing mounted when stopped. See bench/emulator/slowfs.py for what the
+emulation does. ``cpu_seconds()`` is the CPU the daemon has used, for benchmarks to report what
+the emulator took from the cores they measure on (bench/emulator/remote_cost.py weighs it
+against the latency injected).
 
     with EmulatedRemote(source, mountpoint, profile="efs") as remote:
         remote.set_fault("errno", errno=errno.EIO, ops=["read"], glob="train/*.jpg")
@@ -20,12 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench import slowfs
+from bench.emulator import slowfs
 
 
 class EmulatedRemote:
-    """A slow NFS-like remote: SOURCE directory served at a mount point by bench.slowfs in a child
-    process."""
+    """A slow NFS-like remote: SOURCE directory served at a mount point by
+    bench.emulator.slowfs in a child process."""
 
     def __init__(self, source: Path, mountpoint: Path, *, profile: str = "efs",
                  meta_ms: float | None = None, open_ms: float | None = None,

@@ -1,6 +1,6 @@
 """The mirror as the kernel sees it: node ids for paths, replies for requests, errnos.
 
-A thin adapter over :class:`cachefs.tree.CachedTree`; it holds no cache logic.  It turns
+A thin adapter over :class:`cachefs.mirror.tree.CachedTree`; it holds no cache logic.  It turns
 the kernel's node ids into paths relative to BACKING, the tree's answers into reply bodies,
 and every exception into an errno through the one table in errors.py (anything unexpected
 is logged with a traceback by the session and answered EIO).
@@ -48,7 +48,7 @@ from cachefs.attr import Attr
 from cachefs.errors import errno_for
 from cachefs.kernel import protocol as p
 from cachefs.kernel.session import Connection, Request, Session
-from cachefs.tree import CONTROL_NAME, CachedTree, Located
+from cachefs.mirror.tree import CONTROL_NAME, CachedTree, Located
 
 log = logging.getLogger(__name__)
 

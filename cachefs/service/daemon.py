@@ -18,23 +18,24 @@ from pathlib import Path
 
 import xxhash
 
-from cachefs import __version__, sdnotify
-from cachefs.admission import FractionAdmission
-from cachefs.attrcache import AttrCache, relpath_key
-from cachefs.config import Settings
-from cachefs.control import ControlServer, Peer, Reply
+from cachefs import __version__
+from cachefs.control.server import ControlServer, Peer, Reply
 from cachefs.errors import CachefsError
-from cachefs.fetcher import Fetcher
-from cachefs.kernel.mirrorfs import MirrorFS
 from cachefs.kernel.mount import MountOptions
 from cachefs.kernel.session import Connection, Session
 from cachefs.metrics import HINT_RESULTS, PREFETCH_RESULTS, Metrics, MetricsAddress
-from cachefs.paths import Caller, normalize, resolve
-from cachefs.prefetch import Prefetcher
-from cachefs.remote import Remote
-from cachefs.staging import StagingArea
-from cachefs.store import CacheStore
-from cachefs.tree import CONTROL_NAME, CachedTree
+from cachefs.mirror.mirrorfs import MirrorFS
+from cachefs.mirror.tree import CONTROL_NAME, CachedTree
+from cachefs.prefetch.paths import Caller, normalize, resolve
+from cachefs.prefetch.prefetcher import Prefetcher
+from cachefs.prefetch.staging import StagingArea
+from cachefs.remote.attrcache import AttrCache, relpath_key
+from cachefs.remote.fetcher import Fetcher
+from cachefs.remote.remote import Remote
+from cachefs.service import sdnotify
+from cachefs.service.config import Settings
+from cachefs.store.admission import FractionAdmission
+from cachefs.store.store import CacheStore
 
 log = logging.getLogger(__name__)
 

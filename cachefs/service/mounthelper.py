@@ -8,7 +8,7 @@ mount(8) run, as its EXTERNAL HELPERS section describes,
 This module turns OPTIONS into ``cachefs mount`` flags (``cache_dir=X`` becomes
 ``--cache-dir X``, ``allow_other`` becomes ``--allow-other``) and runs it, so the
 helper returns once the mount serves, as mount(8) expects.  The options are read from
-``cachefs mount``'s own parser (:func:`cachefs.cli.add_mount_arguments`), so every
+``cachefs mount``'s own parser (:func:`cachefs.service.cli.add_mount_arguments`), so every
 flag is an option, ``cache-size`` or ``cache_size`` as the writer prefers, except those
 that make no sense at mount(8)'s hands (``foreground``, ``dry_run``), which are refused.
 Options meant for mount(8) or systemd (rw, ro, defaults, noauto, _netdev, nofail,
@@ -37,8 +37,8 @@ import functools
 import getopt
 import sys
 
-from cachefs import cli
-from cachefs.mountpoint import FSTYPE
+from cachefs.kernel.mountpoint import FSTYPE
+from cachefs.service import cli
 
 PROG = "mount.fuse.cachefs"
 # mount(8)'s exit codes: 1 incorrect invocation, 32 mount failure.

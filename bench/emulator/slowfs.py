@@ -29,7 +29,7 @@ How it waits: slowfs speaks the kernel's low-level protocol through cachefs's ow
 serving thread and its answer is queued on one timer thread for the moment its latency has
 passed; a hung request is parked until released. So a waiting request holds no thread, and the
 emulator's own CPU per file is a small fraction of the latency it injects, which matters because
-it shares the machine's cores with the daemon under test. ``python -m bench.remote_cost``
+it shares the machine's cores with the daemon under test. ``python -m bench.emulator.remote_cost``
 measures it (on a 2-core VM, efs profile, 8 readers of 64 KiB files: 0.39 ms per file, 5 % of
 the 7.8 ms injected; the mfusepy version took 0.53 ms); ``stats`` reports ``cpu_seconds``.
 
@@ -53,10 +53,10 @@ Where it differs from a real NFS mount (on purpose or by FUSE's nature):
 
 Usage::
 
-    python -m bench.slowfs SOURCE MOUNTPOINT [--profile efs|filestore|local] [--meta-ms F]
+    python -m bench.emulator.slowfs SOURCE MOUNTPOINT [--profile efs|filestore|local] [--meta-ms F]
         [--open-ms F] [--read-ms F] [--bandwidth-mbps F] [--control SOCKET] [--foreground]
         [--log-file FILE]
-    python -m bench.slowfs ctl SOCKET '{"cmd": "stats"}'
+    python -m bench.emulator.slowfs ctl SOCKET '{"cmd": "stats"}'
 
 Without --foreground the command returns once the mount serves (exit 0) or has failed (exit 1,
 one line on stderr), like mount(8), and the daemon goes on in the background; without --log-file
@@ -108,7 +108,7 @@ log = logging.getLogger("slowfs")
 FUSE_ENCODING = "utf-8"
 FUSE_ERRORS = "surrogateescape"
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FAULT_OPS = ("getattr", "readdir", "readlink", "access", "statfs", "opendir", "open", "read")
 # The setting whose latency each op pays (release and releasedir pay none).
 LATENCY_OF = {"getattr": "meta_ms", "readdir": "meta_ms", "readlink": "meta_ms",
@@ -859,7 +859,7 @@ def control(socket_path: str | os.PathLike, request: dict[str, Any],
     return json.loads(control_raw(socket_path, json.dumps(request), timeout))
 
 
-# --- mounting and process management, shared with bench.remote ---
+# --- mounting and process management, shared with bench.emulator.remote ---
 
 def is_mounted(path: str | os.PathLike) -> bool:
     """Whether something is mounted at path, even a FUSE mount whose daemon died.
@@ -886,10 +886,10 @@ def fusermount(mountpoint: str | os.PathLike, lazy: bool = False) -> bool:
 
 
 def child_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
-    """argv and environment that run `python -m bench.slowfs ARGS` from any directory."""
+    """argv and environment that run `python -m bench.emulator.slowfs ARGS` from any directory."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return [sys.executable, "-m", "bench.slowfs", *args], env
+    return [sys.executable, "-m", "bench.emulator.slowfs", *args], env
 
 
 def wait_until_serving(mountpoint: str | os.PathLike, proc: subprocess.Popen,
@@ -927,9 +927,9 @@ def failure_reason(output: str, fallback: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.slowfs",
+        prog="python -m bench.emulator.slowfs",
         description="Serve SOURCE read-only at MOUNTPOINT like a slow NFS share (EFS, Filestore).",
-        epilog="Control a running mount with: python -m bench.slowfs ctl SOCKET JSON",
+        epilog="Control a running mount with: python -m bench.emulator.slowfs ctl SOCKET JSON",
     )
     p.add_argument("source", help="local directory to serve")
     p.add_argument("mountpoint", help="empty directory to mount on")
@@ -1071,7 +1071,7 @@ def _daemonize(args: argparse.Namespace, source: str, mountpoint: str, control: 
 
 
 def _ctl(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.slowfs ctl",
+    p = argparse.ArgumentParser(prog="python -m bench.emulator.slowfs ctl",
                                 description="Send one JSON request to a slowfs control socket.")
     p.add_argument("socket")
     p.add_argument("request", help='e.g. \'{"cmd": "stats"}\'')

@@ -21,9 +21,9 @@ from typing import Any
 import shtab
 
 from cachefs import __version__
-from cachefs.config import DEFAULT_METRICS_PORT, build_settings, read_config_file
+from cachefs.control.status import format_status, watch
 from cachefs.errors import UsageError
-from cachefs.status import format_status, watch
+from cachefs.service.config import DEFAULT_METRICS_PORT, build_settings, read_config_file
 
 log = logging.getLogger("cachefs")
 
@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
 def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``cachefs mount``: the one list the flags, the config file keys and
-    mount(8)'s ``-o`` options (cachefs/mounthelper.py) are all read from."""
+    mount(8)'s ``-o`` options (cachefs/service/mounthelper.py) are all read from."""
     parser.add_argument("backing", nargs="?", help="the remote dataset directory (an NFS path)")
     parser.add_argument("mountpoint", nargs="?", help="an empty directory to mount on")
     parser.add_argument("--cache-dir", help="cache directory on the local SSD (created 0700)")
@@ -75,7 +75,7 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # Mount flags that mount(8) and /etc/fstab cannot use, and why: every other flag of
-# add_mount_arguments is also an -o option (cachefs/mounthelper.py).
+# add_mount_arguments is also an -o option (cachefs/service/mounthelper.py).
 NOT_FOR_FSTAB = {
     "foreground": "mount(8) waits for the helper to return, which a daemon in the foreground "
                   "never does; systemd units run 'cachefs mount --foreground' instead",
@@ -188,10 +188,10 @@ def _configure_logging(log_file: Path | None, debug: bool) -> None:
 
 
 def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
-    from cachefs import daemon, preflight
+    from cachefs.service import daemon, preflight
 
     if args.dry_run:
-        from cachefs import dryrun
+        from cachefs.service import dryrun
 
         settings, sources = _resolve_settings(args)
         print(dryrun.report(settings, sources))
@@ -223,7 +223,7 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _mount_in_background(settings, argv: list[str]) -> int:
     """Start the daemon detached and wait until it serves or fails, like mount(8)."""
-    from cachefs import daemon
+    from cachefs.service import daemon
 
     log_file = settings.log_file or daemon.default_log_file(settings.mountpoint)
     try:
@@ -282,8 +282,8 @@ def _last_line(path: Path) -> str:
 # -- unmount, status ---------------------------------------------------------------------------
 
 def cmd_unmount(args: argparse.Namespace) -> int:
-    from cachefs.controlclient import status as fetch_status
-    from cachefs.mountpoint import FSTYPE, find_mount, unmount
+    from cachefs.control.client import status as fetch_status
+    from cachefs.kernel.mountpoint import FSTYPE, find_mount, unmount
 
     mountpoint = Path(os.path.abspath(args.mountpoint))
     entry = find_mount(mountpoint)
@@ -319,7 +319,7 @@ def _wait_for_exit(pid: int, timeout: float) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from cachefs.controlclient import status as fetch_status
+    from cachefs.control.client import status as fetch_status
 
     if args.watch:
         return watch(lambda: fetch_status(args.mountpoint), args.watch)
@@ -329,7 +329,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    from cachefs.warm import read_list, walk_files, warm
+    from cachefs.control.warm import read_list, walk_files, warm
 
     mountpoint = Path(os.path.abspath(args.mountpoint))
     paths = read_list(args.list) if args.list else walk_files(mountpoint)
@@ -337,7 +337,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from cachefs.verify import verify
+    from cachefs.store.verify import verify
 
     return verify(Path(os.path.abspath(args.cache_dir)), as_json=args.json)
 

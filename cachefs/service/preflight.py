@@ -13,9 +13,9 @@ import logging
 import os
 from pathlib import Path
 
-from cachefs.config import Settings
 from cachefs.errors import UsageError
-from cachefs.mountpoint import find_mount, is_empty_dir, probe, unmount
+from cachefs.kernel.mountpoint import find_mount, is_empty_dir, probe, unmount
+from cachefs.service.config import Settings
 
 log = logging.getLogger(__name__)
 
