@@ -81,3 +81,25 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     assert turns["rounds"][0]["hit_ratio"] == 1.0 and turns["rounds"][0]["remote_bytes"] == 0
     assert "(median of 1 pair of epochs in turns" in table
     assert result["files_per_second"]["error"] is None
+
+
+@pytest.mark.timeout(200)
+def test_the_demo_shows_each_way_and_judges_the_hit_ratio_by_the_hash(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.demo", "--examples", "400", "--workers", "4", "--batch",
+         "32", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=190)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    for way in ("the remote, directly", "cachefs f = 0.2, client", "cachefs f = 1, mount",
+                "cachefs f = 1, client"):
+        assert way in run.stdout
+    # The hit ratio is judged against the share of files the hash keeps, which it equals.
+    result = json.loads((out / "latest.json").read_text())
+    share = result["dataset"]["eligible_share"]["0.2"]
+    assert f"the hash keeps {share:.1%} of these files" in run.stdout
+    assert "MISSED" not in run.stdout and "\n!" not in run.stdout
+    # Every way read every example, each epoch.
+    for variant in result["variants"]:
+        assert variant["error"] is None, variant.get("error_detail")
+        assert [e["samples"] for e in variant["epochs"]] == [400, 400]
