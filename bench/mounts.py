@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.emulator import slowfs
+from cachefs.service.process import wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
 MOUNT_TIMEOUT_S = 60.0
@@ -35,17 +36,6 @@ def _cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _force_unmount(path: Path) -> None:
@@ -110,7 +100,7 @@ class CachefsMount:
             except subprocess.TimeoutExpired:
                 pass
             _force_unmount(self.path)
-        if self.pid and not _wait_gone(self.pid, UNMOUNT_TIMEOUT_S):
+        if self.pid and not wait_gone(self.pid, UNMOUNT_TIMEOUT_S):
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:

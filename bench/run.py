@@ -25,20 +25,11 @@ from bench.emulator import slowfs
 from bench.emulator.remote import EmulatedRemote
 from bench.measure import measure_variant
 from bench.settings import RunSettings, build_parser, settings_from_args
+from cachefs.service.process import alive
 
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _clear_leftovers(runs_dir: Path) -> None:
@@ -46,7 +37,7 @@ def _clear_leftovers(runs_dir: Path) -> None:
     if not runs_dir.exists():
         return
     for entry in runs_dir.iterdir():
-        if not entry.name.isdigit() or _alive(int(entry.name)):
+        if not entry.name.isdigit() or alive(int(entry.name)):
             continue
         for directory, dirs, _ in os.walk(entry, topdown=True):
             for name in list(dirs):

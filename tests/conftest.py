@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachefs.kernel.mountpoint import find_mount, unmount
+from cachefs.service.process import wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,14 +103,7 @@ class CachefsMount:
     def _reap(self) -> None:
         if not self.pid:
             return
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
+        if not wait_gone(self.pid, 15):
             os.kill(self.pid, signal.SIGKILL)
         self.pid = None
 
@@ -167,6 +161,13 @@ def mount_cachefs(tmp_path: Path, request) -> Iterator:
         if failed:
             sys.stderr.write(f"\n--- cachefs log of {mount.path} ---\n{mount.log_tail()}\n")
         mount.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked neither fast nor soak is in the full tier (`pytest -m full`)."""
+    for item in items:
+        if item.get_closest_marker("fast") is None and item.get_closest_marker("soak") is None:
+            item.add_marker(pytest.mark.full)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

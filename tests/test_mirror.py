@@ -54,6 +54,7 @@ def all_paths(root: Path) -> list[str]:
     return sorted(found)
 
 
+@pytest.mark.fast
 def test_listing_stat_and_bytes_match_the_remote(source, remote, mount_cachefs):
     build_tree(source)
     mnt = mount_cachefs(remote.path).path
@@ -68,7 +69,9 @@ def test_listing_stat_and_bytes_match_the_remote(source, remote, mount_cachefs):
         elif stat.S_ISREG(want.st_mode) and rel != "huge_sparse.bin":
             assert (mnt / rel).read_bytes() == (source / rel).read_bytes(), rel
 
-    diff = subprocess.run(["diff", "-r", "--no-dereference", str(source), str(mnt)],
+    # The 5 GiB sparse file's bytes are compared where they matter in the next test.
+    diff = subprocess.run(["diff", "-r", "--no-dereference", "--exclude=huge_sparse.bin",
+                           str(source), str(mnt)],
                           capture_output=True, text=True)
     assert diff.returncode == 0, diff.stdout + diff.stderr
 
@@ -133,6 +136,7 @@ def test_many_concurrent_reader_processes(source, remote, mount_cachefs):
     "open_write", "create", "mkdir", "unlink", "rmdir", "rename", "chmod", "chown", "symlink",
     "link", "truncate", "utime",
 ])
+@pytest.mark.fast
 def test_every_mutation_fails_with_erofs(source, remote, mount_cachefs, operation):
     build_tree(source)
     mnt = mount_cachefs(remote.path).path

@@ -284,6 +284,7 @@ def _last_line(path: Path) -> str:
 def cmd_unmount(args: argparse.Namespace) -> int:
     from cachefs.control.client import status as fetch_status
     from cachefs.kernel.mountpoint import FSTYPE, find_mount, unmount
+    from cachefs.service.process import wait_gone
 
     mountpoint = Path(os.path.abspath(args.mountpoint))
     entry = find_mount(mountpoint)
@@ -302,20 +303,8 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         hint = "; close the files open in it or use --lazy" if "busy" in reason.lower() else ""
         raise UsageError(f"cannot unmount {mountpoint}: {reason}{hint}")
     if pid and not args.lazy:
-        _wait_for_exit(pid, 30.0)
+        wait_gone(pid, 30.0)
     return 0
-
-
-def _wait_for_exit(pid: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            return  # another user's daemon; it exits on its own
-        time.sleep(0.05)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
