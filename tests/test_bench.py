@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ["local", "direct", "cachefs-f0", "cachefs-f0-hints", "cachefs-f1", "cachefs-f1-hints",
             "rclone"]
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts FUSE and drops the page cache")
+pytestmark = [pytest.mark.soak,
+              pytest.mark.skipif(os.geteuid() != 0,
+                                 reason="mounts FUSE and drops the page cache")]
 
 
 def _epoch(result: dict, name: str, number: int) -> dict:

@@ -27,6 +27,7 @@ def opens(mount) -> tuple[float, float]:
             m[("cachefs_file_opens_total", (("result", "miss"),))])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("fraction", [0.2, 0.5])
 def test_second_shuffled_pass_hits_the_fraction(source, remote, mount_cachefs, fraction):
     count, seed = 2000, 11
@@ -86,6 +87,7 @@ def test_restart_serves_cached_files_without_remote_reads(source, remote, mount_
     assert remote.stats()["read_bytes"] == remote_before
 
 
+@pytest.mark.fast
 def test_changed_remote_file_is_not_served_stale(source, remote, mount_cachefs):
     (source / "label.txt").write_bytes(b"version one\n")
     mount = mount_cachefs(remote.path, revalidate=1)

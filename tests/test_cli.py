@@ -20,7 +20,7 @@ from cachefs.service.config import build_settings
 from cachefs.store.admission import FractionAdmission
 from tests.conftest import REPO, make_files, run_cachefs
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 
 
 def snapshot(path) -> dict[str, bytes]:

@@ -27,6 +27,8 @@ from cachefs.kernel.session import Connection, Request
 
 NON_UTF8 = b"raw-\xff.bin"
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def source(tmp_path: Path) -> Path:

@@ -28,6 +28,7 @@ def served(mount, source: str) -> float:
     return mount.metric("cachefs_read_bytes_total", source=source)
 
 
+@pytest.mark.fast
 def test_cached_files_come_from_the_daemon_and_match(source, remote, mount_cachefs):
     rels = make_files(source, 30, size=(0, 9 * 2**20 // 30))
     (source / "empty.bin").write_bytes(b"")

@@ -75,6 +75,7 @@ def test_remote_eio_serves_cached_files_and_fails_the_rest_with_eio(source, remo
     assert mount.metric("cachefs_remote_available") == 1
 
 
+@pytest.mark.fast
 def test_hung_remote_fails_uncached_reads_after_the_timeout_and_recovers(source, remote,
                                                                          mount_cachefs):
     rels = make_files(source, 12, size=(1000, 50_000))
@@ -348,6 +349,7 @@ def _grow(path: Path) -> None:
 DAMAGE = {"flipped": _flip, "truncated": _truncate, "deleted": os.unlink, "grown": _grow}
 
 
+@pytest.mark.fast
 def test_damaged_chunks_are_never_served_and_are_refetched(source, remote, mount_cachefs):
     small = make_files(source, len(DAMAGE), size=(10_000, 100_000))
     (source / "shard.bin").write_bytes(random.Random(4).randbytes(10 * 2**20 + 7))

@@ -198,6 +198,7 @@ def train_epochs(mount, rels, *, hints: bool, epochs: int, step_seconds: float) 
     return shares
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops the page cache")
 def test_hints_take_the_remote_off_the_critical_path(tmp_path, source, remote, mount_cachefs):
     """f = 0.2 over an EFS-like remote: without hints about 80 % of the bytes a worker reads

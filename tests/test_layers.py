@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cachefs"
 # Lowest first.  "" is the shared vocabulary: cachefs/attr.py, errors.py, sizes.py,

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import make_files, shuffled_read_all
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 
 PASSTHROUGH_LINE = "data path: kernel passthrough"
 SERVED_LINE = "data path: served by the daemon"

@@ -22,7 +22,8 @@ import pytest
 from cachefs.kernel.mountpoint import find_mount, unmount
 from tests.conftest import REPO, errno_of, wait_for
 
-pytestmark = [pytest.mark.timeout(60)]
+pytestmark = [
+    pytest.mark.fast,pytest.mark.timeout(60)]
 
 
 class FlatMount:

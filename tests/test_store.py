@@ -22,6 +22,8 @@ from cachefs.store.index import data_key
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
 from tests.conftest import disk_usage
 
+pytestmark = pytest.mark.fast
+
 
 def attr_of(size: int, mtime_ns: int = 1) -> Attr:
     return Attr(stat.S_IFREG | 0o644, size, 0, 0, 1, mtime_ns, mtime_ns, mtime_ns)
