@@ -290,12 +290,29 @@ def read_until(fd: int, done, timeout: float = 20.0) -> str:
     return text.decode(errors="replace")
 
 
+def interrupted_by_ctrl_c() -> None:
+    """As an interactive shell starts a command: SIGINT interrupts it.  (A test run started
+    in the background inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def stop_with_ctrl_c(child: subprocess.Popen) -> int | None:
+    child.send_signal(signal.SIGINT)
+    try:
+        return child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        return None
+
+
 def run_on_a_terminal(*args: str) -> tuple[subprocess.Popen, int]:
     primary, secondary = pty.openpty()
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="120", LINES="40")
     env.pop("NO_COLOR", None)
     child = subprocess.Popen([sys.executable, "-m", "cachefs", *args], stdin=secondary,
-                             stdout=secondary, stderr=secondary, cwd=REPO, env=env)
+                             stdout=secondary, stderr=secondary, cwd=REPO, env=env,
+                             preexec_fn=interrupted_by_ctrl_c)
     os.close(secondary)
     return child, primary
 
@@ -310,7 +327,8 @@ def test_status_names_the_data_path_and_watch_into_a_pipe_stays_plain(source, mo
     assert " of 1 GiB (" in rows["cache"]
     # --watch into a pipe: the same plain block again and again, no escapes.
     watcher = subprocess.Popen([sys.executable, "-m", "cachefs", "status", "--watch", "0.2",
-                                str(mount.path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+                                str(mount.path)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                               preexec_fn=interrupted_by_ctrl_c)
     try:
         blocks = []
         block: list[str] = []
@@ -323,8 +341,7 @@ def test_status_names_the_data_path_and_watch_into_a_pipe_stays_plain(source, mo
             else:
                 block.append(line.rstrip("\n"))
     finally:
-        watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=10) == 0
+        assert stop_with_ctrl_c(watcher) == 0
     for block in blocks:
         assert "\x1b" not in "".join(block)
         assert block[0].startswith(f"cachefs {mount.path}  (pid ")
@@ -342,9 +359,9 @@ def test_watch_and_warm_on_a_terminal_draw_with_rich(tmp_path, source, mount_cac
         assert "╭" in shown and "data path" in shown, shown
         assert "Traceback" not in shown
     finally:
-        watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=10) == 0
+        exit_code = stop_with_ctrl_c(watcher)
         os.close(screen)
+        assert exit_code == 0
     listing = tmp_path / "list.txt"
     listing.write_text("\n".join(rels) + "\n")
     warmer, screen = run_on_a_terminal("warm", str(mount.path), "--list", str(listing))

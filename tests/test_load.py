@@ -10,6 +10,7 @@ its working size, then the measured phase.  Figures are printed for the record.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -29,6 +30,7 @@ from tests.conftest import control_socket_path, make_files, process_figures, wai
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(420)]
 
 SMALL_FILES = 3000
+MIN_FILE_BYTES = 1000
 LARGE_FILES = 4
 LARGE_BYTES = 20 * 2**20
 THREAD_READERS = 28
@@ -198,20 +200,31 @@ def _run_load(mnt: Path, source: Path, small: list[str], large: list[str], sock_
     return figures, results
 
 
-def _fds_under(pid: int, part: str) -> int:
-    """How many of the daemon's descriptors name a file whose path holds ``part``."""
-    count = 0
+def _fd_kinds(pid: int) -> collections.Counter:
+    """The daemon's descriptors by kind: "index" (SQLite), "data" (cache files, held open
+    across opens for passthrough), "staged" (memory files of prefetched bytes), and the rest
+    by what they are ("socket", "pipe", "anon_inode", "/dev/fuse", "file")."""
+    kinds: collections.Counter = collections.Counter()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
-        count += part in target
-    return count
+        if "/index/" in target:
+            kinds["index"] += 1
+        elif "/data/" in target:
+            kinds["data"] += 1
+        elif target.startswith("/memfd:"):
+            kinds["staged"] += 1
+        elif target.startswith("/"):
+            kinds[target if target.startswith("/dev/") else "file"] += 1
+        else:
+            kinds[target.split(":")[0]] += 1
+    return kinds
 
 
 def _index_fds(pid: int) -> int:
-    return _fds_under(pid, "/index/")
+    return _fd_kinds(pid)["index"]
 
 
 class PeakSampler:
@@ -247,16 +260,19 @@ def _settle(mount) -> dict[str, int]:
     wait_for(idle, timeout=60, interval=0.5, what="the daemon idle")
     time.sleep(2)  # let worker threads that outlived their work exit
     figures = process_figures(mount.pid)
-    figures["index_fds"] = _index_fds(mount.pid)
+    kinds = _fd_kinds(mount.pid)
     # Cache data files stay open across opens by design (registered with the kernel for
-    # passthrough, bounded in number): they grow with the cache, not with the load.
-    figures["data_fds"] = _fds_under(mount.pid, "/data/")
-    figures["other_fds"] = figures["fds"] - figures["index_fds"] - figures["data_fds"]
+    # passthrough, bounded in number), and staged files until read or expired: they grow
+    # with the cache and the staging area, not with the load.
+    for kind in ("index", "data", "staged"):
+        figures[f"{kind}_fds"] = kinds.pop(kind, 0)
+    figures["others"] = dict(kinds)
+    figures["other_fds"] = sum(kinds.values())
     return figures
 
 
 def test_sustained_concurrent_load(tmp_path, source, remote, mount_cachefs):
-    small = make_files(source, SMALL_FILES, size=(1000, 32_000))
+    small = make_files(source, SMALL_FILES, size=(MIN_FILE_BYTES, 32_000))
     large = []
     for i in range(LARGE_FILES):
         (source / f"shard{i}.tar").write_bytes(random.Random(i).randbytes(LARGE_BYTES))
@@ -296,7 +312,8 @@ def test_sustained_concurrent_load(tmp_path, source, remote, mount_cachefs):
     print(f"daemon: fds {start['fds']} at start, {before['fds']} after warm-up, "
           f"{after['fds']} after load (of which index {before['index_fds']}, "
           f"{after['index_fds']}; cache data files {before['data_fds']}, {after['data_fds']}; "
-          f"others {before['other_fds']}, {after['other_fds']}); "
+          f"staged {before['staged_fds']}, {after['staged_fds']}; "
+          f"others {before['others']}, {after['others']}); "
           f"threads {start['threads']}, {before['threads']}, {after['threads']}, "
           f"peak {peak_threads}; peak RSS (VmHWM) {after['VmHWM'] / 2**20:.0f} MiB, bound "
           f"{bound / 2**20:.0f} MiB; RSS now {after['VmRSS'] / 2**20:.0f} MiB")
@@ -310,8 +327,11 @@ def test_sustained_concurrent_load(tmp_path, source, remote, mount_cachefs):
     assert all(figures.reads[kind] > 0 for kind in ("hinted", "small", "large"))
     assert all(p["reads"] > 0 for p in procs)
     assert status["hints"]["accepted"] + status["hints"]["cached"] > 0  # hints were acted on
-    assert after["other_fds"] <= before["other_fds"] + FD_SLACK
+    assert after["other_fds"] <= before["other_fds"] + FD_SLACK, (before["others"],
+                                                                   after["others"])
     assert after["data_fds"] <= status["cache_files"]  # at most one per cached file
+    # Each staged file holds at least the smallest file's bytes of the staging area.
+    assert after["staged_fds"] * MIN_FILE_BYTES <= status["prefetch"]["staging_bytes"]
     assert after["index_fds"] <= INDEX_FD_GROWTH * max(before["index_fds"], start_index_fds)
     assert after["threads"] <= before["threads"] + THREAD_SLACK
     assert after["VmHWM"] <= bound
