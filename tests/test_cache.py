@@ -3,15 +3,18 @@ never serves stale bytes after the revalidation interval, and says so in its met
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import math
+import mmap
 import os
 import time
 
 import pytest
 import xxhash
 
-from tests.conftest import disk_usage, make_files, shuffled_read_all
+from tests.conftest import disk_usage, make_files, shuffled_read_all, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -106,19 +109,46 @@ def test_changed_remote_file_is_not_served_stale(source, remote, mount_cachefs):
     assert (mount.path / "label.txt").read_bytes() == b"version 3!, longer\n\n"
 
 
+@contextlib.contextmanager
+def pages_pinned(path, size: int):
+    """The file's pages in the page cache, locked there (mmap + mlock): so that only the
+    file system, not the machine's memory reclaim, can drop them meanwhile."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mlock.argtypes = libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address != ctypes.c_void_p(-1).value, os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mlock(address, size) == 0, os.strerror(ctypes.get_errno())
+            yield
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
 def test_unchanged_file_is_read_again_from_the_kernel_page_cache(source, remote, mount_cachefs):
     data = os.urandom(100_000)
     (source / "image.jpg").write_bytes(data)
     mount = mount_cachefs(remote.path, revalidate=1)
     assert (mount.path / "image.jpg").read_bytes() == data
-    served_reads = mount.metric("cachefs_served_reads_total")
-    time.sleep(2.2)  # past the interval: the next open asks the remote, which has not changed
-    assert (mount.path / "image.jpg").read_bytes() == data
-    # The second open was answered (a hit); its bytes came from the kernel (its page cache,
+    # The fill is committed, and the kernel's release sent, in the background: an open
+    # before then is another miss, or shares the miss's backing file.
+    wait_for(lambda: mount.metric("cachefs_cache_files") == 1
+             and mount.status()["open_files"] == 0, what="the file cached and closed")
+    with pages_pinned(mount.path / "image.jpg", len(data)):
+        served_reads = mount.metric("cachefs_served_reads_total")
+        time.sleep(2.2)  # past the interval: the next open asks the remote (unchanged)
+        assert (mount.path / "image.jpg").read_bytes() == data
+    # The later opens were answered (hits); the bytes came from the kernel (its page cache,
     # or the cache file through passthrough), not from a READ answered by the daemon.
-    assert mount.metric("cachefs_file_opens_total", result="hit") == 1
+    assert mount.metric("cachefs_file_opens_total", result="hit") == 2
     assert mount.metric("cachefs_served_reads_total") == served_reads
-    assert mount.metric("cachefs_read_bytes_total", source="cache") == len(data)
+    assert mount.metric("cachefs_read_bytes_total", source="cache") == 2 * len(data)
     assert mount.metric("cachefs_remote_read_bytes_total") == len(data)
 
 

@@ -318,7 +318,9 @@ class MirrorFS:
             held = self._held.get_locked(held_key)
         if live is not None:
             # Passthrough opens of this node are live: the kernel insists on their backing.
-            self.tree.count_open(live.result, live.source, attr.size)
+            # A cache file is a hit now, whatever brought it (a miss, a prefetch).
+            result, source = ("hit", "cache") if live.held else (live.result, live.source)
+            self.tree.count_open(result, source, attr.size)
             return self._reply_passthrough(node, live)
         located = self.tree.locate(node.relpath, attr, held=held.fd if held else None)
         backing = self._backing_for(node, located, held)
