@@ -84,10 +84,15 @@ class Backing:
     fd: int
     backing_id: int
     held: bool
-    result: str
-    source: str
+    reopened_as: tuple[str, str]  # (result, source) counted for another open sharing it
     opens: int = 0
     evicted: bool = False
+
+    @classmethod
+    def of(cls, fd: int, backing_id: int, located: Located) -> Backing:
+        if located.kind == "cache":  # whatever brought it (a miss, a prefetch), now a hit
+            return cls(fd, backing_id, True, ("hit", "cache"))
+        return cls(fd, backing_id, False, (located.result, located.source))
 
 
 @dataclass(eq=False)
@@ -318,9 +323,7 @@ class MirrorFS:
             held = self._held.get_locked(held_key)
         if live is not None:
             # Passthrough opens of this node are live: the kernel insists on their backing.
-            # A cache file is a hit now, whatever brought it (a miss, a prefetch).
-            result, source = ("hit", "cache") if live.held else (live.result, live.source)
-            self.tree.count_open(result, source, attr.size)
+            self.tree.count_open(*live.reopened_as, attr.size)
             return self._reply_passthrough(node, live)
         located = self.tree.locate(node.relpath, attr, held=held.fd if held else None)
         backing = self._backing_for(node, located, held)
@@ -341,8 +344,7 @@ class MirrorFS:
         except OSError:
             os.close(fd)
             raise
-        backing = Backing(fd, backing_id, located.kind == "cache", located.result,
-                          located.source)
+        backing = Backing.of(fd, backing_id, located)
         if backing.held:
             with self._lock:
                 out = self._held.put_locked((node.relpath, node.attr.version), backing)
@@ -388,8 +390,7 @@ class MirrorFS:
         elif located.kind == "chunks":
             return self._serve(node, located)
         else:
-            backing = Backing(located.fd, 0, located.kind == "cache", located.result,
-                              located.source)
+            backing = Backing.of(located.fd, 0, located)
             if backing.held:
                 with self._lock:
                     out = [b for b in self._held.put_locked(held_key, backing) if b.opens == 0]
