@@ -216,13 +216,24 @@ def test_every_dashboard_and_alert_expression_shows_what_the_mount_did(
 
 
 def test_every_metric_the_dashboard_and_alerts_name_exists_in_a_real_scrape(
-        source, remote, mount_cachefs):
+        source, remote, mount_cachefs, tmp_path):
     make_files(source, 3, size=1000)
-    mount = mount_cachefs(remote.path)
-    with urllib.request.urlopen(mount.metrics_url, timeout=10) as response:
-        scraped = {line.split("{")[0].split(" ")[0]
-                   for line in response.read().decode().splitlines()
-                   if line and not line.startswith("#")}
+    # A node of a cluster (its peer is down), so that the peer metrics have series too.
+    me, peer = (f"127.0.0.1:{free_port()}" for _ in range(2))
+    secret = tmp_path / "peer.secret"
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
+    mount = mount_cachefs(remote.path, peers=f"{me},{peer}", peer_listen=me,
+                          peer_secret_file=secret)
+
+    def scrape() -> set[str]:
+        with urllib.request.urlopen(mount.metrics_url, timeout=10) as response:
+            return {line.split("{")[0].split(" ")[0]
+                    for line in response.read().decode().splitlines()
+                    if line and not line.startswith("#")}
+
+    scraped = wait_for(lambda: (names := scrape()) and "cachefs_peer_up" in names and names,
+                       timeout=20, what="the first health check of the peer")
     named = {name for expr in [*dashboard_expressions().values(),
                                *alert_expressions().values()]
              for name in re.findall(r"\bcachefs_\w+", expr)}

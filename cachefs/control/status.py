@@ -60,9 +60,22 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
         ("data path", _data_path(st)),
         ("served", f"{format_bytes(read['cache'])} from cache, "
                    f"{format_bytes(read['prefetch'])} prefetched, "
-                   f"{format_bytes(read['remote'])} from remote"),
+                   + (f"{format_bytes(read['peer'])} from peers, " if st.get("cluster") else "")
+                   + f"{format_bytes(read['remote'])} from remote"),
         ("remote read", format_bytes(st["remote_read_bytes"])),
     ]
+    cluster = st.get("cluster")
+    if cluster:
+        fetches = cluster["fetches"]
+        others = len(cluster["nodes"]) - 1
+        rows.append(("cluster", f"{len(cluster['nodes'])} nodes, this one {cluster['me']}; "
+                                f"{len(cluster['peers_up'])} of {others} peers answering; "
+                                f"{format_bytes(cluster['cluster_remote_read_bytes'])} read "
+                                "from the remote by the cluster"))
+        rows.append(("peer fetches", f"{fetches['ok']:,} ok, {fetches['refused']:,} refused, "
+                                     f"{fetches['unavailable']:,} peer unavailable, "
+                                     f"{fetches['rejected']:,} rejected; "
+                                     f"{format_bytes(cluster['served_bytes'])} served to peers"))
     if "hints" in st:
         hints, prefetch = st["hints"], st["prefetch"]
         rows.append(("hints", f"{hints['accepted']:,} accepted, {hints['cached']:,} already "

@@ -11,7 +11,8 @@ The question every open asks is "which local file holds these bytes?"
      hand-over, see store.py);
   2. a memory file the prefetcher staged (files the cache does not keep);
   3. for a miss of a small file (one chunk), a fetch of the whole file first (one remote
-     read): into the cache when the file is admitted, else into a memory file;
+     read, or in a cluster one request to the file's owner): into the cache when the file
+     is admitted, else into a memory file;
   4. otherwise (a large file not wholly cached) no single local file: the file is read
      chunk by chunk through :meth:`CachedTree.read`, from the cache where chunks are
      stored and from the remote for the rest (admitted chunks are stored on the way; a
@@ -212,14 +213,15 @@ class CachedTree:
         if attr.size > WHOLE_FETCH_BYTES:
             return Located("chunks", "miss", "remote",
                            handle=self._handle(relpath, key, attr, self.store.lookup(key)))
-        data = self.fetcher.fetch(relpath, key, attr, 0, admit=admit)
+        chunk = self.fetcher.fetch(relpath, key, attr, 0, admit=admit)
+        source = "peer" if chunk.source == "peer" else "remote"
         if admit:
             record = self.store.lookup(key)
             if record is not None and record.version == attr.version:
                 fd = self.store.local_file(key, record)
                 if fd is not None:
-                    return Located("cache", "miss", "remote", fd=fd)
-        return Located("memory", "miss", "remote", fd=memory_file(relpath, data))
+                    return Located("cache", "miss", source, fd=fd)
+        return Located("memory", "miss", source, fd=memory_file(relpath, chunk.data))
 
     def _handle(self, relpath: str, key: bytes, attr: Attr, record: FileRecord | None
                 ) -> OpenFile:
@@ -275,9 +277,11 @@ class CachedTree:
                 self._set_buffer(f, chunk_offset, data, f.cache_source)
                 return
         admit = self.store.admitting and self.store.admission.eligible(f.relpath)
-        if admit or self.fetcher.inflight(f.key, f.attr, number) is not None:
-            data = self.fetcher.fetch(f.relpath, f.key, f.attr, number, admit=admit)
-            self._set_buffer(f, chunk_offset, data, "remote")
+        if admit or self.fetcher.inflight(f.key, f.attr, number) is not None \
+                or self.fetcher.origin.from_peer(f.relpath):
+            chunk = self.fetcher.fetch(f.relpath, f.key, f.attr, number, admit=admit)
+            self._set_buffer(f, chunk_offset, chunk.data,
+                             "peer" if chunk.source == "peer" else "remote")
             return
         # Not kept by the cache: read from the remote directly.  Random readers get what
         # they asked for.  Sequential readers get a read-ahead twice what they have read

@@ -312,7 +312,7 @@ class Prefetcher:
         if not self.staging.reserve(attr.size, STAGING_WAIT_SECONDS):
             raise CachefsError("no room in the staging area")
         try:
-            fd = memory_file(relpath, self.remote.read(relpath, 0, attr.size, attr.version))
+            fd = memory_file(relpath, self.fetcher.origin.read_file(relpath, attr).data)
         except BaseException:
             self.staging.release(attr.size)
             raise

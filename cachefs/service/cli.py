@@ -63,6 +63,17 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         "itself where it can (FUSE passthrough, Linux 6.9+, as root); 'off': "
                         "the daemon serves every read")
     parser.add_argument("--runtime-dir", help="directory of the control socket")
+    parser.add_argument("--peers", help="a cluster: HOST:PORT of every node, comma-separated, "
+                        "or dns:NAME:PORT (a headless Service); each file is cached by one "
+                        "node and read from it by the others before the remote")
+    parser.add_argument("--peer-listen", help="HOST:PORT where this node serves its peers "
+                        "(the cluster's private network; required with --peers)")
+    parser.add_argument("--peer-address", help="this node as --peers lists it (default "
+                        "--peer-listen)")
+    parser.add_argument("--peer-secret-file", help="file holding the cluster's shared secret "
+                        "(at least 16 bytes, mode 0600)")
+    parser.add_argument("--peer-timeout", help="seconds a read waits on a peer before the "
+                        "remote (default 2)")
     parser.add_argument("--foreground", action="store_true",
                         help="stay attached and log to stderr (for systemd)")
     parser.add_argument("--config", help="TOML file with these settings; flags override it")
@@ -127,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMPLETION_SHELLS = ("bash", "zsh", "tcsh")
 # What the shell offers for an argument's value, by its dest; other values are free text.
 DIRECTORY_ARGUMENTS = frozenset({"backing", "mountpoint", "cache_dir", "runtime_dir"})
-FILE_ARGUMENTS = frozenset({"config", "log_file", "list"})
+FILE_ARGUMENTS = frozenset({"config", "log_file", "list", "peer_secret_file"})
 
 
 def _complete_paths(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +153,8 @@ def _complete_paths(parser: argparse.ArgumentParser) -> None:
 
 SETTING_FLAGS = ("backing", "mountpoint", "cache_dir", "cache_size", "fraction", "seed",
                  "metrics_addr", "revalidate", "remote_timeout", "prefetch_concurrency",
-                 "staging_size", "allow_other", "passthrough", "log_file", "runtime_dir")
+                 "staging_size", "allow_other", "passthrough", "log_file", "runtime_dir",
+                 "peers", "peer_listen", "peer_address", "peer_secret_file", "peer_timeout")
 
 
 def _settings_from_args(args: argparse.Namespace):

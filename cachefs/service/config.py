@@ -16,6 +16,7 @@ from typing import Any
 
 from cachefs.errors import UsageError
 from cachefs.metrics import MetricsAddress
+from cachefs.peer.members import PeerList, parse_address
 from cachefs.sizes import parse_size
 
 DEFAULT_METRICS_PORT = 9477
@@ -23,6 +24,9 @@ DEFAULT_REVALIDATE_SECONDS = 60.0
 DEFAULT_REMOTE_TIMEOUT_SECONDS = 30.0
 DEFAULT_PREFETCH_CONCURRENCY = 32
 DEFAULT_STAGING_BYTES = 512 * 2**20
+# A peer on the cluster's network answers in a millisecond; one that takes seconds is
+# better skipped for the remote.
+DEFAULT_PEER_TIMEOUT_SECONDS = 2.0
 # Below this the index and its write-ahead log leave no room for data.
 MIN_CACHE_BYTES = 4 * 2**20
 
@@ -49,6 +53,12 @@ class Settings:
     passthrough: str = "auto"
     log_file: Path | None = None
     runtime_dir: Path | None = None
+    # The cluster tier (cachefs/peer): off unless peers are given.
+    peers: PeerList | None = None
+    peer_listen: str | None = None
+    peer_address: str | None = None  # this node as --peers lists it (default: peer_listen)
+    peer_secret_file: Path | None = None
+    peer_timeout_seconds: float = DEFAULT_PEER_TIMEOUT_SECONDS
 
 
 # Config file keys are the flag names with "_" for "-"; each maps to a parser.
@@ -168,6 +178,11 @@ PARSERS = {
     "passthrough": _passthrough,
     "log_file": _path,
     "runtime_dir": _path,
+    "peers": PeerList.parse,
+    "peer_listen": parse_address,
+    "peer_address": parse_address,
+    "peer_secret_file": _path,
+    "peer_timeout": _positive_seconds,
 }
 
 # Config key -> Settings field, where the field name carries the unit.
@@ -176,6 +191,7 @@ FIELD_FOR_KEY = {
     "revalidate": "revalidate_seconds",
     "remote_timeout": "remote_timeout_seconds",
     "staging_size": "staging_bytes",
+    "peer_timeout": "peer_timeout_seconds",
 }
 
 
@@ -230,4 +246,30 @@ def build_settings(raw: dict[str, Any], *, config_file: str | None = None,
         if required not in values:
             name = required.removesuffix("_bytes").replace("_", "-")
             raise UsageError(f"missing {name}: give {hint}")
+    _check_cluster(values)
     return Settings(**values)
+
+
+def _check_cluster(values: dict[str, Any]) -> None:
+    """The cluster settings go together: peers, where to listen, the secret."""
+    peers = values.get("peers")
+    if peers is None:
+        for key in ("peer_listen", "peer_address", "peer_secret_file"):
+            if key in values:
+                raise UsageError(f"--{key.replace('_', '-')} needs --peers: the HOST:PORT of "
+                                 "every node, or dns:NAME:PORT")
+        return
+    if "peer_listen" not in values:
+        raise UsageError("--peers needs --peer-listen HOST:PORT: where this node serves its "
+                         "peers (on the cluster's private network)")
+    if "peer_secret_file" not in values:
+        raise UsageError("--peers needs --peer-secret-file: a file holding the cluster's "
+                         "shared secret (at least 16 bytes), the same on every node")
+    me = values.setdefault("peer_address", values["peer_listen"])
+    host = me.rpartition(":")[0].strip("[]")
+    if host in ("0.0.0.0", "::", ""):
+        raise UsageError(f"--peer-listen {me} is every address: give --peer-address "
+                         "HOST:PORT, this node as --peers lists it")
+    if peers.dns_name is None and me not in peers.nodes:
+        raise UsageError(f"this node ({me}) is not in --peers ({peers}): give --peer-address "
+                         "as the list spells it")

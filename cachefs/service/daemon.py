@@ -20,21 +20,33 @@ import xxhash
 
 from cachefs import __version__
 from cachefs.control.server import ControlServer, Peer, Reply
-from cachefs.errors import CachefsError
+from cachefs.errors import CachefsError, UsageError
 from cachefs.kernel.mount import MountOptions
 from cachefs.kernel.session import Connection, Session
-from cachefs.metrics import HINT_RESULTS, PREFETCH_RESULTS, Metrics, MetricsAddress
+from cachefs.metrics import (
+    HINT_RESULTS,
+    PEER_FETCH_RESULTS,
+    PREFETCH_RESULTS,
+    READ_SOURCES,
+    Metrics,
+    MetricsAddress,
+)
 from cachefs.mirror.mirrorfs import MirrorFS
 from cachefs.mirror.tree import CONTROL_NAME, CachedTree
+from cachefs.peer.client import ClusterOrigin, PeerClient
+from cachefs.peer.members import Members
+from cachefs.peer.protocol import read_secret
+from cachefs.peer.server import PeerServer
 from cachefs.prefetch.paths import Caller, normalize, resolve
 from cachefs.prefetch.prefetcher import Prefetcher
 from cachefs.prefetch.staging import StagingArea
 from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
+from cachefs.remote.origin import RemoteOrigin
 from cachefs.remote.remote import Remote
 from cachefs.service import sdnotify
 from cachefs.service.config import Settings
-from cachefs.store.admission import FractionAdmission
+from cachefs.store.admission import ClusterAdmission, FractionAdmission
 from cachefs.store.store import CacheStore
 
 log = logging.getLogger(__name__)
@@ -85,6 +97,8 @@ class Daemon:
         self.prefetcher: Prefetcher | None = None
         self.staging: StagingArea | None = None
         self.fs: MirrorFS | None = None
+        self.peer_server: PeerServer | None = None
+        self.peer_client: PeerClient | None = None
         self.data_path = "not mounted"
 
     def start(self) -> None:
@@ -92,7 +106,13 @@ class Daemon:
         s = self.settings
         m = self.metrics
         try:
-            admission = FractionAdmission(s.fraction, s.seed)
+            members = None
+            if s.peers is not None:
+                secret = read_secret(s.peer_secret_file)
+                members = Members(s.peers, s.peer_address)
+                admission = ClusterAdmission(s.fraction, s.seed, members)
+            else:
+                admission = FractionAdmission(s.fraction, s.seed)
             self.store = CacheStore.open(s.cache_dir, s.cache_size_bytes, admission,
                                          on_integrity_failure=m.integrity_failures.inc)
             store = self.store
@@ -111,7 +131,21 @@ class Daemon:
                 on_availability=lambda up: m.remote_available.set(1 if up else 0),
             )
             attrs = AttrCache(self.remote, s.revalidate_seconds, self._recorded_attr)
-            fetcher = Fetcher(self.remote, store)
+            origin = RemoteOrigin(self.remote)
+            if members is not None:
+                own_remote_bytes = functools.partial(m.value, "cachefs_remote_read_bytes_total")
+                self.peer_client = PeerClient(members, secret, s.peer_timeout_seconds, m,
+                                              own_remote_bytes=own_remote_bytes)
+                origin = ClusterOrigin(self.remote, members, self.peer_client)
+            fetcher = Fetcher(origin, store)
+            if members is not None:
+                try:
+                    self.peer_server = PeerServer(
+                        s.peer_listen, secret, store=store, fetcher=fetcher, attrs=attrs,
+                        metrics=m, own_remote_bytes=own_remote_bytes)
+                except OSError as exc:
+                    raise UsageError(f"cannot serve peers on {s.peer_listen}: {exc.strerror}; "
+                                     "give --peer-listen a free port on this node") from None
             staging = self.staging = StagingArea(
                 s.staging_bytes, on_wasted=m.prefetch_files.labels("wasted").inc)
             self.prefetcher = Prefetcher(
@@ -182,13 +216,15 @@ class Daemon:
 
     def stop(self) -> None:
         """Release everything :meth:`start` took; safe to call twice or after a failed start."""
-        for part in (self.control, self.prefetcher, self.remote, self.staging):
+        for part in (self.peer_server, self.control, self.prefetcher, self.peer_client,
+                     self.remote, self.staging):
             if part is not None:
                 part.close()
         self.metrics.close()
         if self.store is not None:
             self.store.close()
         self.control = self.prefetcher = self.remote = self.store = self.staging = None
+        self.peer_server = self.peer_client = None
 
     # -- status ----------------------------------------------------------------------------
 
@@ -198,8 +234,7 @@ class Daemon:
         misses = m.value("cachefs_file_opens_total", result="miss")
         prefetched = m.value("cachefs_file_opens_total", result="prefetched")
         opens = hits + misses + prefetched
-        read = {src: m.value("cachefs_read_bytes_total", source=src)
-                for src in ("cache", "remote", "prefetch")}
+        read = {src: m.value("cachefs_read_bytes_total", source=src) for src in READ_SOURCES}
         total_read = sum(read.values())
         metrics_url = None
         if s.metrics_addr is not None and self.metrics_port is not None:
@@ -218,7 +253,7 @@ class Daemon:
             # Of all opens, those the stable cached fraction served; prefetched files
             # are local too but count apart, so this stays comparable with --fraction.
             "hit_ratio": hits / opens if opens else None,
-            "byte_hit_ratio": (read["cache"] + read["prefetch"]) / total_read
+            "byte_hit_ratio": (read["cache"] + read["prefetch"] + read["peer"]) / total_read
             if total_read else None,
             "file_opens": {"hit": int(hits), "prefetched": int(prefetched),
                            "miss": int(misses)},
@@ -242,6 +277,21 @@ class Daemon:
                                                                       "inflight": 0}),
                 "staging_bytes": int(m.value("cachefs_staging_bytes")),
             },
+            "cluster": self._cluster_status(),
+        }
+
+    def _cluster_status(self) -> dict | None:
+        if self.peer_client is None:
+            return None
+        m, members = self.metrics, self.peer_client.members
+        return {
+            "me": members.me,
+            "nodes": list(members.nodes),
+            "peers_up": [p for p in members.others if self.peer_client.up(p)],
+            "fetches": {r: int(m.value("cachefs_peer_fetches_total", result=r))
+                        for r in PEER_FETCH_RESULTS},
+            "served_bytes": int(m.value("cachefs_peer_served_bytes_total")),
+            "cluster_remote_read_bytes": int(m.value("cachefs_cluster_remote_read_bytes")),
         }
 
     def status_line(self) -> str:

@@ -128,7 +128,7 @@ def _value_text(key: str, settings: Settings) -> str:
         return {"revalidate": "never", "metrics_addr": "off"}.get(key, "-")
     if key in ("cache_size", "staging_size"):
         return f"{format_bytes(value)} ({value:,} bytes)"
-    if key == "revalidate" or key == "remote_timeout":
+    if key in ("revalidate", "remote_timeout", "peer_timeout"):
         return f"{value:g} s"
     if isinstance(value, bool):
         return "yes" if value else "no"

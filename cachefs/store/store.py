@@ -568,7 +568,7 @@ class CacheStore:
                     else:
                         report.corrupt_chunks += 1
                         healthy = False
-            eligible = self.admission.eligible(os.fsdecode(key))
+            eligible = self.admission.keeps_cached(os.fsdecode(key))
             report.ineligible_files += not eligible
             if fix and not (healthy and eligible):
                 self._forget(key, numbers, record.version, multi_chunk=count > 1)

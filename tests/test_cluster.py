@@ -1,0 +1,319 @@
+"""A cluster of cachefs nodes on one machine: four daemons, each with its own mount and cache
+directory, in front of one emulated remote, each file cached by its owner and read from it
+by the others.  Every node runs its DistributedSampler shard of the same training loop (a
+real DataLoader, in a process of its own), and every byte read is compared with the
+remote's."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from cachefs.kernel.mountpoint import find_mount, unmount
+from tests.conftest import REPO, make_files, run_cachefs, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+NODES = 4
+SECRET = b"a-test-secret-of-32-bytes-or-so!"
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "peer.secret"
+    path.write_bytes(SECRET)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def start_cluster(mount_cachefs, remote, secret_file):
+    """Factory: ``start_cluster(prefix, addresses=None, **options)`` -> N serving mounts
+    that list each other as peers (or, with ``addresses``, as that list says)."""
+
+    def factory(prefix: str, *, nodes: int = NODES, addresses: list[str] | None = None,
+                listen: list[str] | None = None, **options):
+        listen = listen or [f"127.0.0.1:{port}" for port in free_ports(nodes)]
+        addresses = addresses or listen
+        mounts = []
+        for i in range(nodes):
+            node_options = {"fraction": 1 / nodes, "peers": ",".join(addresses),
+                            "peer_listen": listen[i], "peer_address": addresses[i],
+                            "peer_secret_file": secret_file, **options}
+            mounts.append(mount_cachefs(remote.path, name=f"{prefix}{i}",
+                                        cache_dir=remote.path.parent / f"{prefix}-cache{i}",
+                                        **node_options))
+        if nodes > 1:  # as a cluster's nodes are, long before training starts
+            for mount in mounts:
+                wait_for_peers(mount, nodes - 1)
+        return mounts
+
+    return factory
+
+
+def wait_for_peers(mount, count: int) -> None:
+    wait_for(lambda: len(mount.status()["cluster"]["peers_up"]) == count, timeout=20,
+             what=f"{mount.path.name} seeing {count} peers up")
+
+
+def run_epoch(mounts, epoch: int, *, hints: bool = False) -> dict[str, str]:
+    """Every node's shard of ``epoch``, the nodes in parallel as in data-parallel training;
+    the digests of all the files read."""
+    procs = []
+    for rank, mount in enumerate(mounts):
+        command = [sys.executable, "-m", "tests.helpers.shard_epoch", str(mount.path),
+                   "--rank", str(rank), "--world", str(len(mounts)), "--epoch", str(epoch)]
+        procs.append(subprocess.Popen(command + (["--hints"] if hints else []), cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    digests: dict[str, str] = {}
+    failures = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        if proc.returncode != 0:
+            failures.append(f"node {rank}: exit {proc.returncode}: {err[-2000:]}")
+        else:
+            digests.update(json.loads(out))
+    assert not failures, "\n".join(failures)
+    return digests
+
+
+def remote_digests(source: Path, paths: list[str]) -> dict[str, str]:
+    return {rel: xxhash.xxh3_64_hexdigest((source / rel).read_bytes()) for rel in paths}
+
+
+def total(mounts, name: str, **labels: str) -> float:
+    return sum(mount.metric(name, **labels) for mount in mounts)
+
+
+def test_the_cluster_reads_the_remote_once(start_cluster, mount_cachefs, remote, source):
+    paths = make_files(source, 240, (16 * 1024, 48 * 1024), per_dir=60)
+    expected = remote_digests(source, paths)
+    dataset_bytes = sum((source / rel).stat().st_size for rel in paths)
+    cluster = start_cluster("node", cache_size="16M")
+    alone = [mount_cachefs(remote.path, name=f"alone{i}", cache_dir=remote.path.parent /
+                           f"alone-cache{i}", fraction=1 / NODES, cache_size="16M")
+             for i in range(NODES)]
+    for mount in alone:  # each holds its whole quarter, as after enough epochs
+        assert run_cachefs("warm", str(mount.path)).returncode == 0
+
+    for epoch in range(3):
+        before = [total(cluster, "cachefs_remote_read_bytes_total"),
+                  total(alone, "cachefs_remote_read_bytes_total")]
+        assert run_epoch(cluster, epoch, hints=epoch == 2) == expected
+        assert run_epoch(alone, epoch) == expected
+        cluster_share = (total(cluster, "cachefs_remote_read_bytes_total") - before[0]) \
+            / dataset_bytes
+        alone_share = (total(alone, "cachefs_remote_read_bytes_total") - before[1]) \
+            / dataset_bytes
+        if epoch == 0:
+            # The first epoch reads each file once, through whichever node owns it.
+            assert 0.98 <= cluster_share <= 1.02, cluster_share
+        else:
+            # From the second on, every file is cached by its owner: the remote is not read.
+            assert cluster_share <= 0.02, (epoch, cluster_share, {
+                r: total(cluster, "cachefs_peer_fetches_total", result=r)
+                for r in ("ok", "refused", "unavailable", "rejected")})
+        # Four caches of a quarter each, unaware of each other, hold the same quarter and
+        # read the other three from the remote, every epoch.
+        assert 0.6 <= alone_share <= 0.9, (epoch, alone_share)
+
+    peer_bytes = total(cluster, "cachefs_read_bytes_total", source="peer")
+    assert peer_bytes > 0.5 * dataset_bytes  # the last epochs' non-owned files
+    assert total(cluster, "cachefs_peer_fetches_total", result="rejected") == 0
+    assert total(cluster, "cachefs_peer_fetches_total", result="ok") > 0
+    # The hinted epoch fetched other nodes' files ahead, from their owners.
+    assert total(cluster, "cachefs_prefetch_files_total", result="used") > 0
+    # Any node's metrics show the cluster's remote traffic.
+    wait_for(lambda: cluster[0].metric("cachefs_cluster_remote_read_bytes")
+             == total(cluster, "cachefs_remote_read_bytes_total"), timeout=20,
+             what="node 0 showing the cluster's remote bytes")
+    status = cluster[0].status()["cluster"]
+    assert len(status["nodes"]) == NODES and len(status["peers_up"]) == NODES - 1
+
+
+def test_a_node_that_dies_costs_the_others_only_remote_reads(start_cluster, source):
+    paths = make_files(source, 160, 24 * 1024, per_dir=40)
+    expected = remote_digests(source, paths)
+    cluster = start_cluster("node", cache_size="16M", peer_timeout=1)
+    assert run_epoch(cluster, 0) == expected
+
+    dead = cluster.pop()
+    dead.kill()
+    if find_mount(dead.path) is not None:
+        unmount(dead.path, lazy=True)
+    before = total(cluster, "cachefs_remote_read_bytes_total")
+    # The survivors read everything (the dead node's files among them), still correct.
+    assert run_epoch(cluster, 1) == {rel: expected[rel] for rel in expected}
+    assert total(cluster, "cachefs_remote_read_bytes_total") > before
+    assert total(cluster, "cachefs_peer_fetches_total", result="unavailable") > 0
+    dead_address = cluster[0].options["peers"].split(",")[-1]
+    wait_for(lambda: cluster[0].metric("cachefs_peer_up", peer=dead_address) == 0,
+             timeout=20, what="the dead peer marked down")
+
+
+class _CorruptingProxy:
+    """A peer address that forwards to a real node but flips a byte of every body it
+    passes on, as a broken NIC or a bad disk on the owner would."""
+
+    def __init__(self, target: str) -> None:
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # noqa: N802
+                request = urllib.request.Request(f"http://{target}{self.path}",
+                                                 headers=dict(self.headers))
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as response:
+                        status, headers, body = response.status, response.headers, \
+                            response.read()
+                except urllib.error.HTTPError as exc:
+                    status, headers, body = exc.code, exc.headers, exc.read()
+                except OSError:  # the node behind is not up yet
+                    status, headers, body = 502, {}, b""
+                if body and "/v1/chunk/" in self.path:
+                    body = bytes([body[0] ^ 0xFF]) + body[1:]
+                    proxy.corrupted += 1
+                self.send_response(status)
+                for name, value in headers.items():
+                    if name.lower() not in ("content-length", "connection", "date", "server"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.corrupted = 0
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_corrupted_answer_is_never_served(start_cluster, source):
+    paths = make_files(source, 60, 20 * 1024, per_dir=30)
+    listen = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    proxy = _CorruptingProxy(listen[1])
+    try:
+        # Node 0 reaches node 1 only through the proxy; node 1 reaches node 0 directly.
+        reader = start_cluster("reader", nodes=1, listen=listen[:1],
+                               addresses=[listen[0], proxy.address], revalidate=0)[0]
+        start_cluster("owner", nodes=1, listen=listen[1:], addresses=[listen[1], listen[0]])
+        wait_for_peers(reader, 1)
+        # Node 1 owns about half the files (by the reader's list, through the proxy).
+        for rel in paths:
+            assert (reader.path / rel).read_bytes() == (source / rel).read_bytes()
+        assert proxy.corrupted > 0
+        assert reader.metric("cachefs_peer_fetches_total", result="rejected") == proxy.corrupted
+        assert reader.metric("cachefs_peer_fetches_total", result="ok") == 0
+    finally:
+        proxy.close()
+
+
+def test_a_stale_owner_is_not_believed(start_cluster, source):
+    paths = make_files(source, 40, 20 * 1024, per_dir=40)
+    listen = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    # The owner trusts its attributes for ever; the reader checks the remote at every open.
+    reader = start_cluster("reader", nodes=1, listen=listen[:1], addresses=listen,
+                           revalidate=0)[0]
+    start_cluster("owner", nodes=1, listen=listen[1:], addresses=[listen[1], listen[0]],
+                  revalidate="never")
+    wait_for_peers(reader, 1)
+    for rel in paths:  # the owner caches its share, the reader learns the versions
+        assert (reader.path / rel).read_bytes() == (source / rel).read_bytes()
+    assert reader.metric("cachefs_peer_fetches_total", result="ok") > 0
+    for i, rel in enumerate(paths):  # rewritten on the remote: same size, new bytes
+        data = (source / rel).read_bytes()
+        (source / rel).write_bytes(bytes(b ^ 0x5A for b in data))
+        os.utime(source / rel, ns=(10**18, 10**18 + i))
+    for rel in paths:
+        assert (reader.path / rel).read_bytes() == (source / rel).read_bytes(), rel
+    # The owner still believes the old version: it refused, and the remote answered.
+    assert reader.metric("cachefs_peer_fetches_total", result="refused") > 0
+
+
+def test_peers_with_another_secret_are_refused(start_cluster, source, tmp_path):
+    paths = make_files(source, 40, 16 * 1024, per_dir=40)
+    listen = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    other_secret = tmp_path / "other.secret"
+    other_secret.write_bytes(b"x" * 32)
+    other_secret.chmod(0o600)
+    reader = start_cluster("reader", nodes=1, listen=listen[:1], addresses=listen)[0]
+    start_cluster("other", nodes=1, listen=listen[1:], addresses=[listen[1], listen[0]],
+                  peer_secret_file=other_secret)
+    for rel in paths:
+        assert (reader.path / rel).read_bytes() == (source / rel).read_bytes()
+    assert reader.metric("cachefs_peer_fetches_total", result="ok") == 0
+    assert reader.metric("cachefs_peer_fetches_total", result="rejected") \
+        + reader.metric("cachefs_peer_fetches_total", result="unavailable") > 0
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--peers", "127.0.0.1:1"], "--peers needs --peer-listen"),
+    (["--peers", "127.0.0.1:1", "--peer-listen", "127.0.0.1:1"], "--peer-secret-file"),
+    (["--peer-listen", "127.0.0.1:1"], "--peer-listen needs --peers"),
+    (["--peers", "127.0.0.1:1,nohost", "--peer-listen", "127.0.0.1:1"], "is not HOST:PORT"),
+    (["--peers", "127.0.0.1:2", "--peer-listen", "127.0.0.1:1", "--peer-secret-file", "/x"],
+     "is not in --peers"),
+    (["--peers", "dns:cachefs-peers:9478", "--peer-listen", "0.0.0.0:9478",
+      "--peer-secret-file", "/x"], "give --peer-address"),
+])
+def test_cluster_flags_are_checked_before_mounting(tmp_path, flags, message):
+    result = run_cachefs("mount", str(tmp_path), str(tmp_path / "mnt"), "--cache-dir",
+                         str(tmp_path / "cache"), "--cache-size", "64M", "--dry-run", *flags)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("content", "mode", "message"), [
+    (SECRET, 0o644, "readable by others"),
+    (b"short", 0o600, "shorter than 16 bytes"),
+])
+def test_a_weak_secret_is_refused(tmp_path, source, content, mode, message):
+    secret = tmp_path / "weak.secret"
+    secret.write_bytes(content)
+    secret.chmod(mode)
+    (tmp_path / "mnt").mkdir()
+    port = free_ports(1)[0]
+    result = run_cachefs("mount", str(source), str(tmp_path / "mnt"), "--cache-dir",
+                         str(tmp_path / "cache"), "--cache-size", "64M", "--metrics-addr", "0",
+                         "--peers", f"127.0.0.1:{port}", "--peer-listen", f"127.0.0.1:{port}",
+                         "--peer-secret-file", str(secret), "--log-file",
+                         str(tmp_path / "log"))
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert find_mount(tmp_path / "mnt") is None
