@@ -40,6 +40,52 @@ def cachefs_snapshot(metrics_text: str) -> Snapshot:
     return found
 
 
+PEER_BUCKET = "cachefs_peer_fetch_seconds_le_"
+
+
+def peer_snapshot(metrics_text: str) -> Snapshot:
+    """A cluster node's peer figures, from one scrape of /metrics: chunk fetches asked of
+    owners by result (``cachefs_peer_<result>``), the fetch-time histogram (its sum, count
+    and cumulative buckets, ``PEER_BUCKET`` + the bound), bytes read from peers and served
+    to them. Zeros on a node alone."""
+    found: Snapshot = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            name, labels = sample.name, sample.labels
+            if name == "cachefs_peer_fetches_total":
+                found[f"cachefs_peer_{labels.get('result')}"] = float(sample.value)
+            elif name == "cachefs_peer_fetch_seconds_bucket":
+                found[PEER_BUCKET + labels["le"]] = float(sample.value)
+            elif name in ("cachefs_peer_fetch_seconds_sum", "cachefs_peer_fetch_seconds_count"):
+                found[name] = float(sample.value)
+            elif name == "cachefs_read_bytes_total" and labels.get("source") == "peer":
+                found["cachefs_peer_read_bytes"] = float(sample.value)
+            elif name == "cachefs_peer_served_bytes_total":
+                found["cachefs_peer_served_bytes"] = float(sample.value)
+    return found
+
+
+def histogram_quantile(snapshot: Snapshot, prefix: str, share: float) -> float | None:
+    """The ``share`` quantile of a histogram's cumulative buckets in a snapshot (keys
+    ``prefix`` + bound), interpolated within its bucket as Prometheus's histogram_quantile
+    does; None without observations."""
+    buckets = sorted((float(key[len(prefix):]), count) for key, count in snapshot.items()
+                     if key.startswith(prefix))
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = share * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):  # beyond the last bound: say the last bound
+                return lower_bound
+            inside = count - lower_count
+            return lower_bound + (bound - lower_bound) * ((rank - lower_count) / inside
+                                                          if inside else 1.0)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
 def cachefs_opens(snapshot: Snapshot) -> float:
     """Files opened on the mount, whatever the result."""
     return sum(v for k, v in snapshot.items() if k.startswith("cachefs_") and k.endswith("_opens"))

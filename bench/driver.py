@@ -27,6 +27,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import xxhash
+
 from bench.counters import Snapshot, delta
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -52,6 +54,16 @@ class LoopConfig:
     persistent_workers: bool = True
     # Wait for the parent's word before each epoch, so that two loops can take turns.
     gated: bool = False
+    # Ask the parent for a counter snapshot at each epoch's start and end; off when the parent
+    # takes them itself around several loops that run at once (a cluster's nodes).
+    child_snapshots: bool = True
+    # This loop's shard of the examples, as one rank of a data-parallel job reads it: a
+    # DistributedSampler over ``world`` ranks, reshuffled every epoch; 1: every example.
+    rank: int = 0
+    world: int = 1
+    # xxh3_64 of each example's bytes: when given, every read is compared with it, not only
+    # its length, so a wrong byte fails the loop.
+    digests: list[int] | None = None
     # Idle this long before each epoch (so that cached attributes fall due, say).
     pause_before_epoch_s: float = 0.0
     # How DataLoader workers start. A child made with "spawn" inherits "spawn" as its default,
@@ -90,12 +102,13 @@ class ExampleDataset:
     """
 
     def __init__(self, root: str, examples: list[tuple[str, int, int]], whole_files: bool,
-                 fast_path: bool = False):
+                 fast_path: bool = False, digests: list[int] | None = None):
         self.paths = [os.path.join(root, path) for path, _, _ in examples]
         self.offsets = [offset for _, offset, _ in examples]
         self.lengths = [length for _, _, length in examples]
         self.whole_files = whole_files
         self.fast_path = fast_path
+        self.digests = digests
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -131,6 +144,8 @@ class ExampleDataset:
         if len(data) != self.lengths[index]:
             raise OSError(f"{self.paths[index]}: read {len(data)} bytes, expected "
                           f"{self.lengths[index]}")
+        if self.digests is not None and xxhash.xxh3_64_intdigest(data) != self.digests[index]:
+            raise OSError(f"{self.paths[index]}: the bytes read differ from the dataset's")
         return len(data)
 
 
@@ -156,7 +171,7 @@ def _loader(config: LoopConfig):
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     # The hinted variants use the client whole: hints and its read past FUSE.
     dataset = ExampleDataset(config.root, config.examples, config.whole_files,
-                             fast_path=config.hints)
+                             fast_path=config.hints, digests=config.digests)
     generator = torch.Generator().manual_seed(config.seed)
     # The same arguments with and without hints, so both variants see the same batches.
     # Persistent workers, as a tuned training script has them: otherwise every epoch of a
@@ -164,6 +179,12 @@ def _loader(config: LoopConfig):
     kwargs = dict(batch_size=config.batch_size, shuffle=True, num_workers=config.num_workers,
                   generator=generator, drop_last=False,
                   persistent_workers=config.persistent_workers and config.num_workers > 0)
+    if config.world > 1:
+        # Without a process group: the rank and the world say all the sampler needs.
+        kwargs["shuffle"] = False
+        kwargs["sampler"] = torch.utils.data.DistributedSampler(
+            dataset, num_replicas=config.world, rank=config.rank, shuffle=True,
+            seed=config.seed, drop_last=False)
     if config.num_workers > 0:
         kwargs["multiprocessing_context"] = config.worker_start_method
     if config.hints:
@@ -184,6 +205,8 @@ def run_loop(config: LoopConfig, snapshot: Callable[[], Snapshot],
         paced = epoch <= config.epochs
         time.sleep(config.pause_before_epoch_s)
         gate()
+        if config.world > 1:  # as a data-parallel training script does every epoch
+            loader.sampler.set_epoch(epoch)
         if config.drop_caches:
             drop_page_cache()
         before = snapshot()
@@ -238,7 +261,8 @@ def _child(config: LoopConfig, conn) -> None:
         conn.recv()  # the parent's go
 
     try:
-        run_loop(config, snapshot, lambda result: conn.send(("epoch", asdict(result))),
+        run_loop(config, snapshot if config.child_snapshots else dict,
+                 lambda result: conn.send(("epoch", asdict(result))),
                  gate if config.gated else lambda: None)
         conn.send(("done",))
     except (KeyboardInterrupt, BrokenPipeError, EOFError):
@@ -304,13 +328,29 @@ class ChildLoop:
 
     def run_epoch(self) -> dict:
         """Let a gated loop run its next epoch; that epoch's figures."""
-        for expected, reply in ((READY, ("go",)), ("epoch", None)):
-            message = self.next_message()
-            if message[0] != expected:
-                raise LoopFailed(f"the training loop said {message[0]!r}, not {expected!r}")
-            if reply is not None:
-                self._conn.send(reply)
-        return message[1]
+        self.wait_ready()
+        self.go()
+        return self.epoch_ended()
+
+    # Apart, for loops that run their epochs at once (a cluster's nodes): wait until every
+    # one is ready, let them all go, then collect each one's figures.
+    def wait_ready(self) -> None:
+        """Wait until a gated loop is ready to start its next epoch."""
+        self._expect(READY)
+
+    def go(self) -> None:
+        """Let a ready loop start its epoch."""
+        self._conn.send(("go",))
+
+    def epoch_ended(self) -> dict:
+        """The figures of the epoch the loop runs, once it ends."""
+        return self._expect("epoch")[1]
+
+    def _expect(self, expected: str) -> tuple:
+        message = self.next_message()
+        if message[0] != expected:
+            raise LoopFailed(f"the training loop said {message[0]!r}, not {expected!r}")
+        return message
 
     def close(self) -> None:
         self._conn.close()

@@ -92,6 +92,11 @@ class CachefsMount:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             return response.read().decode()
 
+    def warm(self, timeout: float) -> subprocess.CompletedProcess:
+        """``cachefs warm PATH``: fetch every file the mount's admission keeps into its cache,
+        as many epochs would; the summary line is on stdout."""
+        return self._cli("warm", str(self.path), timeout=timeout)
+
     def close(self) -> None:
         """Unmount and wait for the daemon; escalate until nothing is left mounted."""
         if slowfs.is_mounted(self.path):

@@ -3,7 +3,9 @@
 It checks what a reader of the results relies on: the files are written, every variant has a
 row per epoch, and the figures that do not depend on the machine's speed are right (cachefs at
 F = 1 hits every file from the second epoch on and reads nothing from the remote; at F = 0 it
-hits nothing and reads the whole dataset; direct reads read every byte from the remote).
+hits nothing and reads the whole dataset; direct reads read every byte from the remote); and
+the cluster benchmark's: four nodes sharing one cache read the remote once, four caches unaware
+of each other read three quarters of it every epoch.
 """
 
 from __future__ import annotations
@@ -105,3 +107,57 @@ def test_the_demo_shows_each_way_and_judges_the_hit_ratio_by_the_hash(tmp_path: 
     for variant in result["variants"]:
         assert variant["error"] is None, variant.get("error_detail")
         assert [e["samples"] for e in variant["epochs"]] == [400, 400]
+
+
+@pytest.mark.timeout(300)
+def test_the_cluster_run_reads_the_remote_once_and_checks_every_byte(tmp_path: Path) -> None:
+    out = tmp_path / "cluster"
+    run = subprocess.run([sys.executable, "-m", "bench.cluster", "--quick", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=290)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((out / "latest.json").read_text())
+    assert result["error"] is None
+    nodes, examples = result["settings"]["nodes"], result["dataset"]["examples"]
+    dataset_bytes = result["dataset"]["bytes"]
+    for name in ("cluster", "independent"):
+        epochs = result["groups"][name]["epochs"]
+        assert [e["epoch"] for e in epochs] == [1, 2, 3]
+        for epoch in epochs:
+            # The shards of the N nodes together read every example once, each one checked.
+            assert len(epoch["nodes"]) == nodes
+            assert sum(n["samples"] for n in epoch["nodes"]) == examples
+            assert sum(n["bytes_read"] for n in epoch["nodes"]) == dataset_bytes
+            assert all(n["samples_per_second"] > 0 for n in epoch["nodes"])
+
+    def share(epoch: dict, key: str = "cachefs_remote_bytes") -> float:
+        """Of the dataset, summed over the nodes' cachefs counters."""
+        return sum(n["counters"][key] for n in epoch["nodes"]) / dataset_bytes
+
+    def emulator_share(epoch: dict) -> float:
+        """Of the dataset, what the emulated remote itself served."""
+        return epoch["emulator"]["remote_bytes"] / dataset_bytes
+
+    cluster = result["groups"]["cluster"]["epochs"]
+    # The first epoch fills the cluster: each file read from the remote once, by its owner.
+    assert 0.98 <= share(cluster[0]) <= 1.02
+    for epoch in cluster[1:]:
+        # From the second on, every file is cached by its owner: the remote is not read...
+        assert share(epoch) <= 0.02
+        assert emulator_share(epoch) <= 0.02
+        # ... and the other nodes' files come from their owners, every answer genuine.
+        assert share(epoch, "cachefs_peer_read_bytes") >= 0.5
+        assert sum(n["counters"]["cachefs_peer_ok"] for n in epoch["nodes"]) > 0
+    for epoch in cluster:
+        assert sum(n["counters"]["cachefs_peer_rejected"] for n in epoch["nodes"]) == 0
+    for epoch in result["groups"]["independent"]["epochs"]:
+        # Warmed caches unaware of each other hold the same quarter: 1 - f, every epoch.
+        assert 0.6 <= share(epoch) <= 0.9
+        assert emulator_share(epoch) == pytest.approx(share(epoch), abs=0.01)
+
+    for title in ("Samples/s per node", "Read from the remote per epoch",
+                  "chunk fetches from their owners", "CPU per file"):
+        assert title in run.stdout
+    assert "The independent caches were warmed first" in run.stdout
+    assert f"compared with the dataset's bytes (length and xxh3): {6 * examples:,} reads" \
+        in run.stdout
+    assert "\n!" not in run.stdout
