@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ import xxhash
 
 from bench.cluster import free_ports
 from cachefs.kernel.mountpoint import find_mount, unmount
-from tests.conftest import REPO, make_files, run_cachefs, wait_for
+from tests.conftest import REPO, make_files, process_figures, run_cachefs, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -290,6 +291,47 @@ def test_peers_with_another_secret_are_refused(start_cluster, source, tmp_path):
     assert reader.metric("cachefs_peer_fetches_total", result="ok") == 0
     assert reader.metric("cachefs_peer_fetches_total", result="rejected") \
         + reader.metric("cachefs_peer_fetches_total", result="unavailable") > 0
+
+
+def _closed_by_peer(connection: socket.socket) -> bool:
+    connection.setblocking(False)
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_flood_of_connections_costs_a_node_no_more_than_its_cap(start_cluster, source):
+    from cachefs.peer.server import MAX_CONNECTIONS
+
+    paths = make_files(source, 40, 16 * 1024, per_dir=40)
+    reader, owner = start_cluster("node", nodes=2)
+    host, port = owner.options["peer_listen"].rsplit(":", 1)
+    flood = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 300):  # connected, never a byte sent
+            flood.append(socket.create_connection((host, int(port)), timeout=5))
+        # The connections past the cap are closed by the owner at once; the others wait.
+        wait_for(lambda: sum(map(_closed_by_peer, flood)) >= 300, timeout=30,
+                 what="the connections past the cap closed")
+        assert process_figures(owner.pid)["threads"] < MAX_CONNECTIONS + 100
+        # Everything still reads right: from the remote while the owner is refusing.
+        for rel in paths:
+            assert (reader.path / rel).read_bytes() == (source / rel).read_bytes()
+            assert (owner.path / rel).read_bytes() == (source / rel).read_bytes()
+    finally:
+        for connection in flood:
+            connection.close()
+    wait_for(lambda: process_figures(owner.pid)["threads"] < 100, timeout=30,
+             what="the flood's threads gone")
+    wait_for_peers(reader, 1)
+    before = reader.metric("cachefs_peer_fetches_total", result="ok")
+    make_files(source / "more", 20, 16 * 1024, per_dir=20, seed=1)
+    for rel in (source / "more").rglob("*.bin"):
+        assert (reader.path / rel.relative_to(source)).read_bytes() == rel.read_bytes()
+    assert reader.metric("cachefs_peer_fetches_total", result="ok") > before
 
 
 @pytest.mark.fast

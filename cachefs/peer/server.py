@@ -34,6 +34,10 @@ from cachefs.store.store import CacheStore, chunk_count
 log = logging.getLogger(__name__)
 
 IDLE_SECONDS = 60.0
+# Connections served at once, a thread each: every peer's readers and prefetchers (about 40
+# per peer) with room to spare; beyond it a connection is closed at once, so that a flood
+# of them (a peer gone wrong, or anyone on the network) cannot take the node's threads.
+MAX_CONNECTIONS = 512
 
 
 class Answer(Exception):
@@ -154,6 +158,32 @@ class HTTPServer(http.server.ThreadingHTTPServer):
     # connections under a hinted epoch, which then wait a second for the SYN again).
     request_queue_size = 1024
     peer: PeerServer  # or anything with its answer()
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._refusing = False  # logged once per flood, not per connection
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            if not self._refusing:
+                log.warning("peer connections refused: %d open already (the latest from %s)",
+                            MAX_CONNECTIONS, client_address[0])
+            self._refusing = True
+            self.shutdown_request(request)
+            return
+        self._refusing = False
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
