@@ -12,6 +12,7 @@ from cachefs.attr import Version
 from cachefs.peer import protocol, ring
 from cachefs.peer.members import Members, PeerList
 from cachefs.store.admission import ClusterAdmission, FractionAdmission
+from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
@@ -103,8 +104,39 @@ def test_a_dns_list_follows_the_name_and_survives_a_failed_lookup():
 
     members = Members(PeerList.parse("dns:peers:9478"), "10.0.0.1:9478", resolve=resolve)
     assert members.nodes == ("10.0.0.1:9478", "10.0.0.2:9478")
+    members.refresh()  # too soon: no lookup
+    assert len(answers) == 2
+    members._next_lookup = 0.0
     members.refresh()  # the lookup fails: the last list stays
     assert members.nodes == ("10.0.0.1:9478", "10.0.0.2:9478")
+    members._next_lookup = 0.0
     members.refresh()
     assert members.nodes == ("10.0.0.1:9478", "10.0.0.3:9478")
     assert members.others == ("10.0.0.3:9478",)
+
+
+def test_a_peer_that_leaves_the_list_leaves_the_metrics(monkeypatch):
+    from cachefs.metrics import Metrics
+    from cachefs.peer import client as peer_client
+
+    monkeypatch.setattr(peer_client, "HEALTH_SECONDS", 0.05)
+    listed = [["127.0.0.1"], ["127.0.0.1", "127.0.0.2"]]
+
+    def resolve(name, port, type):  # noqa: A002 (socket.getaddrinfo's name)
+        return [(socket.AF_INET, type, 6, "", (ip, port)) for ip in listed[-1]]
+
+    members = Members(PeerList.parse("dns:peers:1"), "127.0.0.1:1", resolve=resolve)
+    metrics = Metrics()
+    client = peer_client.PeerClient(members, b"k" * 32, 0.5, metrics,
+                                    own_remote_bytes=lambda: 0)
+    try:
+        # 127.0.0.2:1 refuses: down, and shown as down.
+        wait_for(lambda: metrics.registry.get_sample_value(
+            "cachefs_peer_up", {"peer": "127.0.0.2:1"}) == 0, what="the peer shown down")
+        listed.pop()
+        members._next_lookup = 0.0
+        wait_for(lambda: metrics.registry.get_sample_value(
+            "cachefs_peer_up", {"peer": "127.0.0.2:1"}) is None, what="its series gone")
+        assert members.nodes == ("127.0.0.1:1",)
+    finally:
+        client.close()

@@ -21,6 +21,7 @@ single assignments.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -141,6 +142,7 @@ class PeerClient:
         self._connections = Connections(timeout_seconds)
         self._down_until: dict[str, float] = {}
         self._reported: dict[str, int] = {}
+        self._checked: set[str] = set()  # the peers the health check knows (peer-health only)
         self._results = {r: metrics.peer_fetches.labels(r) for r in
                          ("ok", "refused", "unavailable", "rejected")}
         self._closed = threading.Event()
@@ -213,7 +215,14 @@ class PeerClient:
         while not self._closed.wait(0 if rounds == 0 else HEALTH_SECONDS):
             rounds += 1
             self.members.refresh()
-            for peer in self.members.others:
+            others = self.members.others
+            for gone in self._checked - set(others):  # left the list: no stale series
+                with contextlib.suppress(KeyError):
+                    self._metrics.peer_up.remove(gone)
+                self._reported.pop(gone, None)
+                self._down_until.pop(gone, None)
+            self._checked = set(others)
+            for peer in others:
                 self._check(peer)
 
     def _check(self, peer: str) -> None:

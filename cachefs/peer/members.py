@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import time
 
 from cachefs.peer import ring
 
@@ -80,6 +81,7 @@ class Members:
         self.me = me
         self._resolve = resolve
         self.nodes: tuple[str, ...] = peers.nodes if peers.dns_name is None else (me,)
+        self._next_lookup = 0.0
         if peers.dns_name is not None:
             self.refresh()
 
@@ -94,10 +96,12 @@ class Members:
         return tuple(node for node in self.nodes if node != self.me)
 
     def refresh(self) -> None:
-        """Look the DNS name up again (nothing to do for a fixed list).  A failed lookup
-        keeps the last list: a DNS hiccup must not reshuffle every file's owner."""
-        if self.peers.dns_name is None:
+        """Look the DNS name up again if the last lookup is ``REFRESH_SECONDS`` old (nothing
+        to do for a fixed list).  A failed lookup keeps the last list: a DNS hiccup must not
+        reshuffle every file's owner."""
+        if self.peers.dns_name is None or time.monotonic() < self._next_lookup:
             return
+        self._next_lookup = time.monotonic() + REFRESH_SECONDS
         try:
             infos = self._resolve(self.peers.dns_name, self.peers.dns_port,
                                   type=socket.SOCK_STREAM)
