@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -57,8 +56,8 @@ from bench.emulator import slowfs
 from bench.emulator.remote import EmulatedRemote
 from bench.measure import BUDGET_OVERHEAD_BYTES, BUDGET_SLACK, allocated_bytes, remote_path
 from bench.mounts import CachefsMount, MountError
-from bench.run import _clear_leftovers, _measure_this_tree, _sigterm_as_interrupt
-from bench.settings import BENCH_DIR, _count, _Parser, _positive_float, _positive_int
+from bench.run import clear_leftovers, measure_this_tree, measured
+from bench.settings import BENCH_DIR, ArgumentParser, count_arg, positive_float, positive_int
 
 MIB = 2**20
 CLUSTER = "cluster"
@@ -247,11 +246,11 @@ def run(settings: ClusterSettings, log: Callable[[str], None] = _log) -> dict:
                               "run it as root")
     nodes, fraction = settings.nodes, settings.node_fraction
     run_dir = settings.work_dir / "run" / str(os.getpid())
-    _clear_leftovers(run_dir.parent)
+    clear_leftovers(run_dir.parent)
     logs = settings.out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    source = _measure_this_tree()
+    source = measure_this_tree()
     datasets_dir = settings.work_dir / "datasets"
     data = dataset_mod.ensure(datasets_dir, settings.dataset_spec(), log)
     sizes = data.file_sizes()
@@ -561,24 +560,24 @@ def write(results: dict, out_dir: Path) -> Path:
 # -- the command ---------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python3 -m bench.cluster",
+    p = ArgumentParser(prog="python3 -m bench.cluster",
                 description="N cachefs nodes sharing one cache (--peers) beside N independent "
                 "caches: samples/s per node, remote share, peer fetches, CPU per file.")
     p.add_argument("--quick", action="store_true", help="a tiny run (about a minute) written "
                    "to results/quick/cluster/")
-    p.add_argument("--nodes", type=_positive_int, help="nodes in each group (default 4)")
-    p.add_argument("--fraction", type=_positive_float, help="--fraction of every node "
+    p.add_argument("--nodes", type=positive_int, help="nodes in each group (default 4)")
+    p.add_argument("--fraction", type=positive_float, help="--fraction of every node "
                    "(default 1 / nodes)")
-    p.add_argument("--examples", type=_positive_int, help="files of the dataset (default 4000)")
-    p.add_argument("--mean-kib", type=_positive_float, help="mean file size, KiB (default 64)")
-    p.add_argument("--epochs", type=_positive_int, help="epochs of each group (default 3)")
-    p.add_argument("--workers", type=_count, help="DataLoader workers per node (default 2)")
-    p.add_argument("--batch", type=_positive_int, help="batch size (default 32)")
+    p.add_argument("--examples", type=positive_int, help="files of the dataset (default 4000)")
+    p.add_argument("--mean-kib", type=positive_float, help="mean file size, KiB (default 64)")
+    p.add_argument("--epochs", type=positive_int, help="epochs of each group (default 3)")
+    p.add_argument("--workers", type=count_arg, help="DataLoader workers per node (default 2)")
+    p.add_argument("--batch", type=positive_int, help="batch size (default 32)")
     p.add_argument("--step-ms", type=float, help="simulated GPU step per batch, ms (default "
                    "0: flat out)")
     p.add_argument("--profile", choices=sorted(slowfs.PROFILES), help="latency profile of the "
                    "remote (default efs)")
-    p.add_argument("--seed", type=_count, help="seed of the dataset, the admission and the "
+    p.add_argument("--seed", type=count_arg, help="seed of the dataset, the admission and the "
                    "shuffling")
     p.add_argument("--out", type=Path, help="directory for latest.json and the daemons' logs")
     p.add_argument("--work-dir", type=Path, help="where datasets are generated and kept "
@@ -612,15 +611,9 @@ def settings_from_args(argv: list[str] | None) -> ClusterSettings:
 
 def main(argv: list[str] | None = None) -> int:
     settings = settings_from_args(argv)
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    try:
-        results = run(settings)
-    except KeyboardInterrupt:
-        print("bench.cluster: interrupted; every mount was unmounted", file=sys.stderr)
-        return 130
-    except (OSError, RuntimeError, ValueError) as exc:
-        print(f"bench.cluster: {exc}".splitlines()[0], file=sys.stderr)
-        return 1
+    results, failed = measured("bench.cluster", lambda: run(settings))
+    if failed:
+        return failed
     path = write(results, settings.out_dir)
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
     console.print()

@@ -14,14 +14,13 @@ the loop. About a minute; every mount is gone when it ends. Takes the flags of
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 from rich.console import Console
 from rich.table import Table
 
 from bench import report, targets
-from bench.run import _sigterm_as_interrupt, run
+from bench.run import measured, run
 from bench.settings import build_parser, settings_from_args
 
 # What each variant of the demo stands for, in the order shown.
@@ -95,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser("python3 -m bench.demo", __doc__.strip().splitlines()[0],
                           quick_flag=False)
     settings = settings_from_args(parser, argv, "demo")
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     console = Console(highlight=False)
     progress = Console(stderr=True, highlight=False)
     with progress.status("preparing the dataset and the emulated remote") as status:
@@ -105,14 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                 status.update(f"measuring {WAYS.get(line[:-1], line[:-1])} ...")
             else:
                 print(line, file=sys.stderr, flush=True)
-        try:
-            results = run(settings, log)
-        except KeyboardInterrupt:
-            print("demo: interrupted; every mount was unmounted", file=sys.stderr)
-            return 130
-        except (OSError, RuntimeError, ValueError) as exc:
-            print(f"demo: {exc}".splitlines()[0], file=sys.stderr)
-            return 1
+        results, failed = measured("demo", lambda: run(settings, log))
+        if failed:
+            return failed
     report.write(results, settings.out_dir)
     print()
     print(report.console_table(results))

@@ -32,7 +32,7 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _clear_leftovers(runs_dir: Path) -> None:
+def clear_leftovers(runs_dir: Path) -> None:
     """Unmount and remove what runs killed with SIGKILL left behind (their pid is gone)."""
     if not runs_dir.exists():
         return
@@ -51,7 +51,7 @@ def _clear_leftovers(runs_dir: Path) -> None:
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _measure_this_tree() -> dict:
+def measure_this_tree() -> dict:
     """Import cachefs and cachefs_client from this tree, whatever copies pip points to, in this
     process and in the loops' children (spawned children inherit sys.path); say which."""
     for path in (REPO, REPO / "client"):
@@ -81,8 +81,23 @@ def _eligible_shares(data: dataset_mod.Dataset, fractions: tuple[float, ...]) ->
             for f in fractions}
 
 
-def _sigterm_as_interrupt(signum, frame) -> None:
+def sigterm_as_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def measured(name: str, measure: Callable[[], dict]) -> tuple[dict | None, int]:
+    """``(measure(), 0)``, or ``(None, exit status)`` after one line on stderr: 130 when
+    interrupted (Ctrl-C or SIGTERM; every mount is unmounted on the way out), 1 when a
+    mount, the dataset or the machine failed."""
+    signal.signal(signal.SIGTERM, sigterm_as_interrupt)
+    try:
+        return measure(), 0
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; every mount was unmounted", file=sys.stderr)
+        return None, 130
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"{name}: {exc}".splitlines()[0], file=sys.stderr)
+        return None, 1
 
 
 def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
@@ -93,13 +108,13 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
     datasets_dir = settings.work_dir / "datasets"
     # A directory per run, so that runs at the same time (CI and a developer) do not collide.
     run_dir = settings.work_dir / "run" / str(os.getpid())
-    _clear_leftovers(run_dir.parent)
+    clear_leftovers(run_dir.parent)
     (settings.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     started = time.time()
     data = dataset_mod.ensure(datasets_dir, settings.dataset_spec(), log)
     fps_data = (dataset_mod.ensure(datasets_dir, settings.fps_spec(), log)
                 if settings.fps_files else None)
-    source = _measure_this_tree()
+    source = measure_this_tree()
     results: dict = {"settings": settings.public(), "machine": machine.describe(),
                      "source": source,
                      "dataset": {"name": data.spec.name(), "examples": len(data.examples),
@@ -142,15 +157,9 @@ def main(argv: list[str] | None = None, preset: str = "full") -> int:
     parser = build_parser("python3 -m bench.run", "Measure training throughput and data stall "
                           "through cachefs and its alternatives.", quick_flag=True)
     settings = settings_from_args(parser, argv, preset)
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    try:
-        results = run(settings)
-    except KeyboardInterrupt:
-        print("bench: interrupted; every mount was unmounted", file=sys.stderr)
-        return 130
-    except (OSError, RuntimeError, ValueError) as exc:
-        print(f"bench: {exc}".splitlines()[0], file=sys.stderr)
-        return 1
+    results, failed = measured("bench", lambda: run(settings))
+    if failed:
+        return failed
     paths = report.write(results, settings.out_dir)
     print(report.console_table(results))
     print("\n".join(f"wrote {p}" for p in paths))

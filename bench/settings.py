@@ -86,69 +86,69 @@ PRESETS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
+class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line instead of a usage block."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError
     return value
 
 
-def _count(text: str) -> int:
+def count_arg(text: str) -> int:
     value = int(text)
     if value < 0:
         raise ValueError
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise ValueError
     return value
 
 
-_positive_int.__name__ = "positive integer"
-_count.__name__ = "count (integer >= 0)"
-_positive_float.__name__ = "positive number"
+positive_int.__name__ = "positive integer"
+count_arg.__name__ = "count (integer >= 0)"
+positive_float.__name__ = "positive number"
 
 
 def build_parser(prog: str, description: str, *, quick_flag: bool) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=description)
+    p = ArgumentParser(prog=prog, description=description)
     if quick_flag:
         p.add_argument("--quick", action="store_true",
                        help="a small smoke run (about 1-2 minutes) written to results/quick/")
-    p.add_argument("--examples", type=_positive_int, help="training examples (files or records)")
-    p.add_argument("--mean-kib", type=_positive_float, help="mean example size in KiB")
+    p.add_argument("--examples", type=positive_int, help="training examples (files or records)")
+    p.add_argument("--mean-kib", type=positive_float, help="mean example size in KiB")
     p.add_argument("--dataset", choices=KINDS, help="images: one file per example; shards: "
                    "records at random offsets in a few large files")
-    p.add_argument("--shards", type=_positive_int, help="shard files of the shards dataset")
-    p.add_argument("--epochs", type=_positive_int, help="epochs at the pace per variant")
-    p.add_argument("--unpaced-epochs", type=_count,
+    p.add_argument("--shards", type=positive_int, help="shard files of the shards dataset")
+    p.add_argument("--epochs", type=positive_int, help="epochs at the pace per variant")
+    p.add_argument("--unpaced-epochs", type=count_arg,
                    help="extra epochs without the GPU step, measuring what the loader can do")
-    p.add_argument("--workers", type=_count, help="DataLoader workers")
-    p.add_argument("--batch", type=_positive_int, help="batch size n")
+    p.add_argument("--workers", type=count_arg, help="DataLoader workers")
+    p.add_argument("--batch", type=positive_int, help="batch size n")
     pace = p.add_mutually_exclusive_group()
-    pace.add_argument("--pace", type=_positive_float,
+    pace.add_argument("--pace", type=positive_float,
                       help=f"samples/s the simulated GPU consumes (default {V100_PACE:g}, a V100 "
                       "on ResNet-50); the step is batch / pace")
-    pace.add_argument("--step-ms", type=_positive_float, help="simulated GPU step per batch, ms")
+    pace.add_argument("--step-ms", type=positive_float, help="simulated GPU step per batch, ms")
     p.add_argument("--profile", choices=sorted(PROFILES), help="latency profile of the remote")
     p.add_argument("--variants", help="comma-separated subset, e.g. direct,cachefs-f0.2-hints "
                    "(default: all)")
     p.add_argument("--fractions", help="cachefs fractions to measure, e.g. 0,0.2,0.5,1")
-    p.add_argument("--fps-files", type=_count, help="64 KiB files for the warm-cache files/s "
+    p.add_argument("--fps-files", type=count_arg, help="64 KiB files for the warm-cache files/s "
                    "measurement (0 skips it)")
-    p.add_argument("--share-rounds", type=_count, help="unpaced epochs each of cachefs at "
+    p.add_argument("--share-rounds", type=count_arg, help="unpaced epochs each of cachefs at "
                    "f = 1 with hints and of the local copy, taken in turns, for the "
                    "share-of-local target (0 skips it)")
-    p.add_argument("--seed", type=_count, help="seed of the dataset and of the shuffling")
+    p.add_argument("--seed", type=count_arg, help="seed of the dataset and of the shuffling")
     p.add_argument("--out", type=Path, help="directory for the results")
     p.add_argument("--work-dir", type=Path, help="where datasets are generated and kept "
                    "(default bench/work)")
