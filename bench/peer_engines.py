@@ -220,10 +220,13 @@ def http_peers(work: Path) -> Iterator[Engine]:
             for number in range(chunk_count(version.size)):
                 path = protocol.chunk_path(relpath, number)
                 headers = protocol.sign_request(secret, path, version)
-                answer, body = connections.get(owner, path, headers)
-                if answer.status != 200 or answer.headers.get(protocol.VERSION_HEADER) != \
-                        protocol.format_version(version) or not protocol.response_is_genuine(
-                        secret, headers[protocol.AUTH_HEADER], answer.headers, body):
+                answer, body = connections.get(owner, path, headers,
+                                               chunk_span(version.size, number)[1])
+                if answer.status != 200 or body is None \
+                        or answer.headers.get(protocol.VERSION_HEADER) \
+                        != protocol.format_version(version) \
+                        or not protocol.response_is_genuine(
+                            secret, headers[protocol.AUTH_HEADER], answer.headers, body):
                     return None
                 parts.append(body)
             return b"".join(parts)

@@ -21,6 +21,7 @@ import xxhash
 
 from bench.cluster import free_ports
 from cachefs.kernel.mountpoint import find_mount, unmount
+from cachefs.peer import protocol
 from tests.conftest import REPO, make_files, process_figures, run_cachefs, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -253,6 +254,75 @@ def test_a_corrupted_answer_is_never_served(start_cluster, source):
         assert reader.metric("cachefs_peer_fetches_total", result="ok") == 0
     finally:
         proxy.close()
+
+
+class _BoastingPeer:
+    """A peer with the secret whose health answers are genuine but whose chunks claim
+    10 GiB (or no length at all) and then stream up to 600 MiB, as a peer gone wrong might."""
+
+    def __init__(self, *, say_length: bool) -> None:
+        boaster = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # noqa: N802
+                auth = self.headers.get(protocol.AUTH_HEADER) or ""
+                if self.path == protocol.HEALTH_PATH:
+                    body = json.dumps({"remote_read_bytes": 0}).encode()
+                    headers = protocol.sign_response(SECRET, auth, None, body)
+                else:
+                    body = b"x" * 2**20
+                    headers = {}
+                self.send_response(200)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                if self.path == protocol.HEALTH_PATH or say_length:
+                    length = len(body) if self.path == protocol.HEALTH_PATH else 10 * 2**30
+                    self.send_header("Content-Length", str(length))
+                else:
+                    self.send_header("Connection", "close")
+                self.end_headers()
+                streams = 1 if self.path == protocol.HEALTH_PATH or boaster.streamed else 600
+                boaster.streamed = True  # one long answer is enough to tell
+                try:
+                    for _ in range(streams):
+                        self.wfile.write(body)
+                except OSError:  # the reader hung up, as it should
+                    pass
+                if self.path != protocol.HEALTH_PATH:
+                    self.close_connection = True
+
+            def log_message(self, *args):
+                pass
+
+        self.streamed = False
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("say_length", [True, False], ids=["10GiB", "no-length"])
+def test_a_peer_boasting_a_huge_answer_is_not_read(start_cluster, source, say_length):
+    paths = make_files(source, 40, 20 * 1024, per_dir=40)
+    listen = f"127.0.0.1:{free_ports(1)[0]}"
+    peer = _BoastingPeer(say_length=say_length)
+    try:
+        reader = start_cluster("reader", nodes=1, listen=[listen],
+                               addresses=[listen, peer.address])[0]
+        wait_for_peers(reader, 1)
+        for rel in paths:
+            assert (reader.path / rel).read_bytes() == (source / rel).read_bytes()
+        assert reader.metric("cachefs_peer_fetches_total", result="rejected") > 0
+        assert reader.metric("cachefs_peer_fetches_total", result="ok") == 0
+        assert process_figures(reader.pid)["VmHWM"] < 300 * 2**20
+    finally:
+        peer.close()
 
 
 def test_a_stale_owner_is_not_believed(start_cluster, source):

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 HEALTH_SECONDS = 5.0
 DOWN_SECONDS = 5.0
+# A health answer is a line of JSON.
+MAX_HEALTH_BYTES = 4096
 # Idle connections kept open to each peer: about the readers and prefetchers asking at once.
 CONNECTIONS_PER_PEER = 32
 # Refused answers (404, 409, 503) are the owner's honest word; anything else is not.
@@ -92,11 +94,13 @@ class Connections:
         self.timeout_seconds = timeout_seconds
         self._idle: dict[str, list[http.client.HTTPConnection]] = {}
 
-    def get(self, peer: str, path: str, headers: dict[str, str]
-            ) -> tuple[http.client.HTTPResponse, bytes]:
-        """GET ``path`` of ``peer`` (``HOST:PORT``).  A kept connection the peer has closed
-        meanwhile (idle too long, restarted) is replaced once; OSError or HTTPException
-        otherwise."""
+    def get(self, peer: str, path: str, headers: dict[str, str], max_bytes: int
+            ) -> tuple[http.client.HTTPResponse, bytes | None]:
+        """GET ``path`` of ``peer`` (``HOST:PORT``).  The body is None, unread and the
+        connection closed, when the answer does not say its length or says more than
+        ``max_bytes``: nothing a peer sends can fill this node's memory.  A kept connection
+        the peer has closed meanwhile (idle too long, restarted) is replaced once; OSError
+        or HTTPException otherwise."""
         idle = self._idle.setdefault(peer, [])
         for attempt in (1, 2):
             try:
@@ -110,6 +114,9 @@ class Connections:
             try:
                 connection.request("GET", path, headers=headers)
                 response = connection.getresponse()
+                if response.length is None or response.length > max_bytes:
+                    connection.close()
+                    return response, None
                 body = response.read()
             except (OSError, http.client.HTTPException):
                 connection.close()
@@ -174,7 +181,7 @@ class PeerClient:
         try:
             # Like a wait on the remote: the FUSE session serves other requests meanwhile.
             with remotewait.waiting(remote_call=False):
-                response, body = self._connections.get(owner, path, headers)
+                response, body = self._connections.get(owner, path, headers, length)
         except (OSError, http.client.HTTPException) as exc:
             self._mark_down(owner, exc)
             self._results["unavailable"].inc()
@@ -182,14 +189,15 @@ class PeerClient:
         if response.status in _REFUSALS:
             self._results["refused"].inc()
             return None
-        genuine = response.status == 200 and len(body) == length \
+        genuine = response.status == 200 and body is not None and len(body) == length \
             and response.headers.get(protocol.VERSION_HEADER) == protocol.format_version(version) \
             and protocol.response_is_genuine(self._secret, headers[protocol.AUTH_HEADER],
                                              response.headers, body)
         if not genuine:
-            log.warning("peer %s answered %s of %s with something not to be trusted "
-                        "(status %d, %d bytes); reading the remote", owner, number, relpath,
-                        response.status, len(body))
+            log.warning("peer %s answered chunk %d of %s with something not to be trusted "
+                        "(status %d, %s); reading the remote", owner, number, relpath,
+                        response.status, "a body too long to read" if body is None
+                        else f"{len(body)} bytes")
             self._results["rejected"].inc()
             return None
         self._metrics.peer_fetch_seconds.observe(time.perf_counter() - started)
@@ -228,8 +236,9 @@ class PeerClient:
     def _check(self, peer: str) -> None:
         headers = protocol.sign_request(self._secret, protocol.HEALTH_PATH, None)
         try:
-            response, body = self._connections.get(peer, protocol.HEALTH_PATH, headers)
-            if response.status != 200 or not protocol.response_is_genuine(
+            response, body = self._connections.get(peer, protocol.HEALTH_PATH, headers,
+                                                   MAX_HEALTH_BYTES)
+            if response.status != 200 or body is None or not protocol.response_is_genuine(
                     self._secret, headers[protocol.AUTH_HEADER], response.headers, body):
                 raise ValueError(f"answered {response.status} without a valid signature")
             self._reported[peer] = int(json.loads(body)["remote_read_bytes"])
