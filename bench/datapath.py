@@ -19,15 +19,20 @@ reported as ranges (this machine is shared and noisy):
 * ``auto``: the default (kernel passthrough where the kernel offers it);
 * ``off``: ``--passthrough off`` (the daemon serves every read);
 
+and with ``--baseline TREE`` each variant also as another checkout's cachefs serves it
+(``auto@baseline``), in turns with this one's, so a change is measured before and after in
+one run.
+
 Usage::
 
     python3 -m bench.datapath [--files 3000] [--size 65536] [--readers 8] [--repeats 3]
-        [--variants auto,off] [--profile local]
+        [--variants auto,off] [--profile local] [--baseline TREE]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import os
 import random
@@ -40,7 +45,7 @@ from pathlib import Path
 
 from bench.driver import drop_page_cache
 from bench.emulator.remote import EmulatedRemote
-from bench.mounts import CachefsMount
+from bench.mounts import REPO, CachefsMount
 
 PATHS = ("fill", "cached", "warm", "not kept")
 VARIANTS = {"auto": ("--passthrough", "auto"), "off": ("--passthrough", "off")}
@@ -161,15 +166,17 @@ def run(args: argparse.Namespace) -> Measurement:
                           remote_pid=None, seed=seed, expect_bytes=total)
             _measure_pass(m, readers, "-", "remote", remote.path, names, daemon_pid=None,
                           remote_pid=remote_pid, seed=seed, expect_bytes=total)
-            for variant in args.variants:
+            trees = [("", REPO)] + ([("@baseline", args.baseline)] if args.baseline else [])
+            for variant, (suffix, tree) in itertools.product(args.variants, trees):
+                label = variant + suffix
                 for fraction, paths in ((1.0, ("fill", "cached", "warm")), (0.0, ("not kept",))):
-                    cache = work / f"cache-{variant}-{repeat}-{fraction:g}"
+                    cache = work / f"cache-{label}-{repeat}-{fraction:g}"
                     with CachefsMount(remote.path, work / "mnt", cache,
                                       cache_size_bytes=4 * total + (256 << 20),
-                                      fraction=fraction, log_file=work / f"{variant}.log",
-                                      extra_args=VARIANTS[variant]) as mount:
+                                      fraction=fraction, log_file=work / f"{label}.log",
+                                      extra_args=VARIANTS[variant], tree=tree) as mount:
                         for path in paths:
-                            _measure_pass(m, readers, variant, path, mount.path, names,
+                            _measure_pass(m, readers, label, path, mount.path, names,
                                           daemon_pid=mount.pid, remote_pid=remote_pid,
                                           seed=seed, drop=path != "warm", expect_bytes=total)
                     shutil.rmtree(cache, ignore_errors=True)
@@ -193,10 +200,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the emulated remote's latency profile (default: local, none)")
     parser.add_argument("--variants", default="auto,off",
                         type=lambda text: [v for v in text.split(",") if v])
+    parser.add_argument("--baseline", type=lambda text: Path(text).resolve(),
+                        help="another checkout (git worktree add DIR COMMIT) measured in turns "
+                        "with this one")
     args = parser.parse_args(argv)
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant {unknown[0]!r}: use some of {', '.join(VARIANTS)}")
+    if args.baseline is not None and not (args.baseline / "cachefs" / "__main__.py").exists():
+        parser.error(f"--baseline {args.baseline} is not a cachefs checkout")
     if args.files < 1 or args.size < 1 or args.readers < 1 or args.repeats < 1:
         parser.error("--files, --size, --readers and --repeats must be positive")
     print(run(args).table())

@@ -32,9 +32,9 @@ class MountError(RuntimeError):
     """A mount that did not come up; the message says why and where the log is."""
 
 
-def _cli_env() -> dict[str, str]:
+def _cli_env(tree: Path = REPO) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     return env
 
 
@@ -47,7 +47,8 @@ class CachefsMount:
     """``cachefs mount BACKING PATH ...`` as a user runs it; ``metrics_url`` once mounted."""
 
     def __init__(self, backing: Path, path: Path, cache_dir: Path, *, cache_size_bytes: int,
-                 fraction: float, log_file: Path, extra_args: tuple[str, ...] = ()) -> None:
+                 fraction: float, log_file: Path, extra_args: tuple[str, ...] = (),
+                 tree: Path = REPO) -> None:
         self.backing = backing
         self.path = path
         self.cache_dir = cache_dir
@@ -55,12 +56,14 @@ class CachefsMount:
         self.fraction = fraction
         self.log_file = log_file
         self.extra_args = extra_args
+        self.tree = tree  # the checkout whose cachefs serves (another one: a baseline)
         self.pid: int | None = None
         self.metrics_url: str | None = None
 
     def _cli(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True,
-                              text=True, timeout=timeout, env=_cli_env(), cwd=REPO)
+                              text=True, timeout=timeout, env=_cli_env(self.tree),
+                              cwd=self.tree)
 
     def __enter__(self) -> CachefsMount:
         self.path.mkdir(parents=True, exist_ok=True)
