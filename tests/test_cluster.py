@@ -190,7 +190,21 @@ def test_a_node_that_dies_costs_the_others_only_remote_reads(start_cluster, remo
              timeout=20, what="the dead peer marked down")
 
 
-class _CorruptingProxy:
+class _FakePeer:
+    """An HTTP server on a free loopback port standing where a peer should be."""
+
+    def _serve(self, handler) -> None:
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _CorruptingProxy(_FakePeer):
     """A peer address that forwards to a real node but flips a byte of every body it
     passes on, as a broken NIC or a bad disk on the owner would."""
 
@@ -226,14 +240,7 @@ class _CorruptingProxy:
                 pass
 
         self.corrupted = 0
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(Handler)
 
 
 def test_a_corrupted_answer_is_never_served(start_cluster, source):
@@ -256,7 +263,7 @@ def test_a_corrupted_answer_is_never_served(start_cluster, source):
         proxy.close()
 
 
-class _BoastingPeer:
+class _BoastingPeer(_FakePeer):
     """A peer with the secret whose health answers are genuine but whose chunks claim
     10 GiB (or no length at all) and then stream up to 600 MiB, as a peer gone wrong might."""
 
@@ -297,14 +304,7 @@ class _BoastingPeer:
                 pass
 
         self.streamed = False
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(Handler)
 
 
 @pytest.mark.parametrize("say_length", [True, False], ids=["10GiB", "no-length"])

@@ -214,14 +214,14 @@ class CachedTree:
             return Located("chunks", "miss", "remote",
                            handle=self._handle(relpath, key, attr, self.store.lookup(key)))
         chunk = self.fetcher.fetch(relpath, key, attr, 0, admit=admit)
-        source = "peer" if chunk.source == "peer" else "remote"
         if admit:
             record = self.store.lookup(key)
             if record is not None and record.version == attr.version:
                 fd = self.store.local_file(key, record)
                 if fd is not None:
-                    return Located("cache", "miss", source, fd=fd)
-        return Located("memory", "miss", source, fd=memory_file(relpath, chunk.data))
+                    return Located("cache", "miss", chunk.read_source, fd=fd)
+        return Located("memory", "miss", chunk.read_source,
+                       fd=memory_file(relpath, chunk.data))
 
     def _handle(self, relpath: str, key: bytes, attr: Attr, record: FileRecord | None
                 ) -> OpenFile:
@@ -280,8 +280,7 @@ class CachedTree:
         if admit or self.fetcher.inflight(f.key, f.attr, number) is not None \
                 or self.fetcher.origin.from_peer(f.relpath):
             chunk = self.fetcher.fetch(f.relpath, f.key, f.attr, number, admit=admit)
-            self._set_buffer(f, chunk_offset, chunk.data,
-                             "peer" if chunk.source == "peer" else "remote")
+            self._set_buffer(f, chunk_offset, chunk.data, chunk.read_source)
             return
         # Not kept by the cache: read from the remote directly.  Random readers get what
         # they asked for.  Sequential readers get a read-ahead twice what they have read

@@ -18,6 +18,12 @@ class Chunk(NamedTuple):
     data: bytes
     source: str  # "remote", "peer", or "cache" (stored meanwhile by another reader)
 
+    @property
+    def read_source(self) -> str:
+        """The source its bytes count under (cachefs_read_bytes_total): a chunk another
+        reader stored meanwhile was fetched for this miss all the same."""
+        return "peer" if self.source == "peer" else "remote"
+
 
 class RemoteOrigin:
     """Where bytes this node does not hold come from without a cluster: the remote."""

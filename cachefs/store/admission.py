@@ -19,14 +19,19 @@ import xxhash
 _SCALE = float(2**64)
 
 
+def _threshold(share: float) -> int:
+    """The hash below which a file falls in ``share``: integers, not floats, are compared on
+    the per-file path."""
+    return 2**64 if share >= 1.0 else int(max(0.0, share) * _SCALE)
+
+
 class FractionAdmission:
     """Admits the files whose path hash falls below ``fraction``.  Thread safety: immutable."""
 
     def __init__(self, fraction: float, seed: int = 0) -> None:
         self.fraction = fraction
         self.seed = seed
-        # Compare integers, not floats, on the per-file path.
-        self._threshold = 2**64 if fraction >= 1.0 else int(fraction * _SCALE)
+        self._threshold = _threshold(fraction)
 
     def score(self, relpath: str) -> float:
         """Where ``relpath`` falls in [0, 1): eligible when below the fraction."""
@@ -48,20 +53,22 @@ class ClusterAdmission(FractionAdmission):
     it.  A node keeps the files it owns that score below ``min(1, N x f)``; with budget left
     over (N x f > 1) it also keeps a stable share ``(N x f - 1) / (N - 1)`` of the others,
     so a node still keeps about ``f`` of the files and reads the rest from their owners.
-    The node list comes from ``members`` each time (it may change under DNS).
-    Thread safety: no state of its own.
+    The node list comes from ``members`` (it may change under DNS); the thresholds are
+    worked out again only when the number of nodes changes.
+    Thread safety: ``_bounds`` is replaced whole (a tuple).
     """
 
     def __init__(self, fraction: float, seed: int, members) -> None:
         super().__init__(fraction, seed)
         self.members = members
+        self._bounds = (0, 0, 0)  # (nodes, threshold of owned files, of the others')
 
-    def _bounds(self) -> tuple[int, int]:
+    def _thresholds(self) -> tuple[int, int]:
         n = len(self.members.nodes)
-        owned = min(1.0, n * self.fraction)
-        others = max(0.0, (n * self.fraction - 1) / (n - 1)) if n > 1 else 0.0
-        return (2**64 if owned >= 1.0 else int(owned * _SCALE),
-                2**64 if others >= 1.0 else int(others * _SCALE))
+        if self._bounds[0] != n:
+            others = (n * self.fraction - 1) / (n - 1) if n > 1 else 0.0
+            self._bounds = (n, _threshold(n * self.fraction), _threshold(others))
+        return self._bounds[1], self._bounds[2]
 
     def keeps_cached(self, relpath: str) -> bool:
         """Every file: the node list at start may be partial (DNS lists nodes as they come
@@ -70,6 +77,6 @@ class ClusterAdmission(FractionAdmission):
         return True
 
     def eligible(self, relpath: str) -> bool:
-        owned, others = self._bounds()
+        owned, others = self._thresholds()
         bound = owned if self.members.owns(relpath) else others
         return xxhash.xxh64_intdigest(os.fsencode(relpath), seed=self.seed) < bound
