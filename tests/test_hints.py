@@ -3,6 +3,7 @@ the daemon's prefetcher behind a remote with NFS-like latency, and `cachefs warm
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -249,6 +250,85 @@ def test_worker_read_mid_prefetch_fetches_once(source, remote, mount_cachefs):
              what="the prefetch to start")
     assert (mount.path / "big.bin").read_bytes() == (source / "big.bin").read_bytes()
     assert remote.stats()["read_bytes"] - reads_before == 3 * 2**20
+
+
+# -- attributes due: refreshed a directory at a time ahead of the reads ----------------------
+
+def hint_and_settle(mount, rels: list[str]) -> None:
+    """Send one HINT per path on the control socket and wait until each is settled."""
+    settled = hint_total(mount)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(os.readlink(mount.path / ".cachefs.sock"))
+        sock.sendall(b"".join(b"HINT " + rel.encode() + b"\n" for rel in rels))
+    wait_for(lambda: hint_total(mount) >= settled + len(rels)
+             and mount.metric("cachefs_prefetch_inflight_files") == 0, what="hints settled")
+
+
+def remote_ops(remote) -> dict[str, int]:
+    return dict(remote.stats()["ops"])
+
+
+def ops_since(remote, before: dict[str, int]) -> dict[str, int]:
+    return {op: n - before.get(op, 0) for op, n in remote_ops(remote).items()
+            if n - before.get(op, 0)}
+
+
+def test_hints_refresh_due_attributes_one_listing_per_directory(source, remote, mount_cachefs):
+    """Every cached file's attributes due: the hints of the next epoch refresh them with one
+    listing of each directory (the remote's attributes come with it, as NFS READDIRPLUS
+    brings them), not one remote lookup per file, and the epoch reads no remote at all."""
+    rels = make_files(source, 150, size=2000, per_dir=50)  # 3 directories
+    remote.configure(actimeo_s=30.0)  # what an NFS client keeps of a listing
+    mount = mount_cachefs(remote.path, fraction=1.0, revalidate=1)
+    for rel in rels:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
+    time.sleep(1.3)  # every attribute due
+
+    before = remote_ops(remote)
+    hint_and_settle(mount, rels)
+    refresh = ops_since(remote, before)
+    assert 3 <= refresh.get("readdir", 0) <= 6, refresh
+    assert refresh.get("getattr", 0) <= 6, refresh  # the directories themselves, at most
+
+    before, hits = remote_ops(remote), mount.metric("cachefs_file_opens_total", result="hit")
+    for rel in rels:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
+    assert ops_since(remote, before) == {}  # attributes fresh, bytes local
+    assert mount.metric("cachefs_file_opens_total", result="hit") == hits + len(rels)
+
+
+def test_a_directory_listing_sees_a_changed_file(source, remote, mount_cachefs):
+    """The listing that refreshes a directory's attributes is a revalidation like any other:
+    a file changed on the remote is read anew after it, the others stay cached."""
+    rels = make_files(source, 20, size=3000, per_dir=20)
+    mount = mount_cachefs(remote.path, fraction=1.0, revalidate=1)
+    for rel in rels:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
+    (source / rels[7]).write_bytes(b"rewritten on the remote")
+    time.sleep(1.3)
+    hint_and_settle(mount, rels)
+    remote_before = mount.metric("cachefs_remote_read_bytes_total")
+    for rel in rels:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
+    assert mount.metric("cachefs_remote_read_bytes_total") - remote_before \
+        <= len(b"rewritten on the remote")
+
+
+def test_ls_through_the_mount_refreshes_the_names_listed(source, remote, mount_cachefs):
+    """`ls -l` through the mount: the attributes the remote's listing brings are those the
+    lookups of the names then use, without a remote lookup of their own."""
+    rels = make_files(source, 60, size=100, per_dir=60)
+    mount = mount_cachefs(remote.path, revalidate=60)
+    directory = mount.path / rels[0].split("/")[0]
+    names = sorted(os.listdir(directory))
+    assert names == sorted(rel.split("/")[1] for rel in rels)
+    # From now on a remote lookup of any of those names fails.
+    remote.set_fault("errno", errno=errno.EIO, ops=["getattr"], glob="*/img*")
+    assert {name: os.lstat(directory / name).st_size for name in names} \
+        == dict.fromkeys(names, 100)
+    with pytest.raises(OSError) as missing:
+        os.lstat(directory / "img-not-listed")
+    assert missing.value.errno == errno.EIO  # the fault is there, for what was not listed
 
 
 # -- hints are advisory -------------------------------------------------------------------------

@@ -31,6 +31,7 @@ class EmulatedRemote:
     def __init__(self, source: Path, mountpoint: Path, *, profile: str = "efs",
                  meta_ms: float | None = None, open_ms: float | None = None,
                  read_ms: float | None = None, bandwidth_mbps: float | None = None,
+                 actimeo_s: float | None = None,
                  log_file: Path | None = None) -> None:
         if profile not in slowfs.PROFILES:
             raise ValueError(f"unknown profile {profile!r}: use one of {sorted(slowfs.PROFILES)}")
@@ -39,7 +40,7 @@ class EmulatedRemote:
         self._mountpoint = Path(mountpoint).resolve()
         self.profile = profile
         self._overrides = {"meta_ms": meta_ms, "open_ms": open_ms, "read_ms": read_ms,
-                           "bandwidth_mbps": bandwidth_mbps}
+                           "bandwidth_mbps": bandwidth_mbps, "actimeo_s": actimeo_s}
         self.log_file = Path(log_file) if log_file is not None else None
         self._proc: subprocess.Popen | None = None
         self._tmpdir: Path | None = None
@@ -153,7 +154,8 @@ class EmulatedRemote:
         self._call({"cmd": "clear"})
 
     def configure(self, **settings: float | None) -> None:
-        """Change meta_ms, open_ms, read_ms and/or bandwidth_mbps (0 or None: no cap) now."""
+        """Change meta_ms, open_ms, read_ms, bandwidth_mbps (0 or None: no cap) and/or actimeo_s
+        now (what the kernel already keeps stays kept until its old timeout)."""
         self._call({"cmd": "set", **settings})
 
     def stats(self) -> dict[str, Any]:

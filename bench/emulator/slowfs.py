@@ -9,8 +9,11 @@ what makes a network file system different from a local disk:
   ``read_ms``; errors from SOURCE (ENOENT...) come after the same latency;
 * one shared link: all reads queue on a single link of ``bandwidth_mbps`` (MB = 1e6 bytes), so
   concurrent readers share the bandwidth while their latencies overlap;
-* no client-side caching: opens are direct_io and entries and attributes have zero timeouts, so
-  a change a test makes in SOURCE is visible through the mount at once;
+* the client's attribute cache (NFS ``actimeo``): the kernel keeps entries and attributes for
+  ``actimeo_s`` seconds (3 s, NFS's ``acregmin``, in the efs and filestore profiles; 0 in
+  ``local``, so a change a test makes in SOURCE is visible through the mount at once), and a
+  listing brings every entry's attributes with it (NFS READDIRPLUS, as FUSE's), so an lstat of
+  each name just listed costs no round trip; opens are direct_io (no data cache);
 * NFS semantics for open files: a read (or an lseek to the end) on a file that was removed or
   replaced in SOURCE since it was opened fails with ESTALE, as it does for a second NFS client;
 * faults injected while mounted, through a control Unix socket (one JSON object per line, one
@@ -54,8 +57,8 @@ Where it differs from a real NFS mount (on purpose or by FUSE's nature):
 Usage::
 
     python -m bench.emulator.slowfs SOURCE MOUNTPOINT [--profile efs|filestore|local] [--meta-ms F]
-        [--open-ms F] [--read-ms F] [--bandwidth-mbps F] [--control SOCKET] [--foreground]
-        [--log-file FILE]
+        [--open-ms F] [--read-ms F] [--bandwidth-mbps F] [--actimeo-s F]
+        [--control SOCKET] [--foreground] [--log-file FILE]
     python -m bench.emulator.slowfs ctl SOCKET '{"cmd": "stats"}'
 
 Without --foreground the command returns once the mount serves (exit 0) or has failed (exit 1,
@@ -95,7 +98,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from cachefs.kernel import protocol as p
 from cachefs.kernel.mount import MountOptions
@@ -127,6 +130,7 @@ class Settings:
     open_ms: float
     read_ms: float
     bandwidth_mbps: float | None
+    actimeo_s: float = 0.0  # how long the kernel keeps entries and attributes
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply a subset of settings after validating all of them (all or nothing)."""
@@ -148,8 +152,9 @@ class Settings:
 
 PROFILES: dict[str, Settings] = {
     # The EFS numbers are what we measured from one node (see shared/NOTES.md).
-    "efs": Settings(meta_ms=0.5, open_ms=2.0, read_ms=2.0, bandwidth_mbps=200.0),
-    "filestore": Settings(meta_ms=0.3, open_ms=1.0, read_ms=1.0, bandwidth_mbps=400.0),
+    "efs": Settings(meta_ms=0.5, open_ms=2.0, read_ms=2.0, bandwidth_mbps=200.0, actimeo_s=3.0),
+    "filestore": Settings(meta_ms=0.3, open_ms=1.0, read_ms=1.0, bandwidth_mbps=400.0,
+                          actimeo_s=3.0),
     "local": Settings(meta_ms=0.0, open_ms=0.0, read_ms=0.0, bandwidth_mbps=None),
 }
 
@@ -488,6 +493,22 @@ def _dirent_mode(entry: os.DirEntry) -> int:
     return stat.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
 
 
+class Listed(NamedTuple):
+    """One entry of a directory listing."""
+
+    name: bytes
+    ino: int
+    mode: int
+    st: os.stat_result | None  # its attributes, when the listing carries them
+
+
+def _entry_lstat(entry: os.DirEntry) -> os.stat_result | None:
+    try:
+        return entry.stat(follow_symlinks=False)
+    except OSError:
+        return None  # gone since the listing: the name goes without attributes
+
+
 class Node:
     """A path the kernel knows by a node id, and how many lookups of it it counts."""
 
@@ -528,7 +549,8 @@ class SlowFS(Filesystem):
         self._ids: dict[bytes, int] = {b"": p.ROOT_ID}
         self._next_id = itertools.count(p.ROOT_ID + 1)
         self._handles: dict[int, Handle] = {}
-        self._dirs: dict[int, list[bytes] | None] = {}  # dirents, once the listing is taken
+        # A listing, once taken: (name, inode, file type, lstat or None) per entry.
+        self._dirs: dict[int, list[Listed] | None] = {}
         self._next_dir = itertools.count(1)
 
     # -- the session's calls ---------------------------------------------------------------
@@ -584,9 +606,9 @@ class SlowFS(Filesystem):
             entries = self._dirs.get(fh)
             if entries is None:
                 raise OSError(errno.EBADF, "directory not listed")
-            return self._page(entries, offset, size)
+            return self._page(self._node(nodeid).rel, entries, offset, size, plus)
         rel = self._node(nodeid).rel
-        return self._request(req, "readdir", rel, self._readdir, (rel, fh, size))
+        return self._request(req, "readdir", rel, self._readdir, (rel, fh, size, plus))
 
     def releasedir(self, req: Request, nodeid: int, fh: int) -> None:
         self.emu.counted("releasedir")
@@ -675,14 +697,9 @@ class SlowFS(Filesystem):
 
     def _lookup(self, rel: bytes) -> bytes:
         attr = _attr(os.lstat(self._src(rel)))
-        with self._lock:
-            nodeid = self._ids.get(rel)
-            if nodeid is None:
-                nodeid = next(self._next_id)
-                self._ids[rel] = nodeid
-                self._nodes[nodeid] = Node(rel)
-            self._nodes[nodeid].lookups += 1
-        return p.entry_out(nodeid, 0, 0.0, 0.0, attr)
+        nodeid = self._lookup_listed(rel)
+        cached = self.emu.settings.actimeo_s
+        return p.entry_out(nodeid, 0, cached, cached, attr)
 
     def _unlook(self, body: bytes) -> None:
         self.forget(int.from_bytes(body[:8], "little"), 1)
@@ -703,7 +720,7 @@ class SlowFS(Filesystem):
             st = os.fstat(handle.fd)
         else:
             st = os.lstat(self._src(rel))
-        return p.attr_out(0.0, _attr(st))
+        return p.attr_out(self.emu.settings.actimeo_s, _attr(st))
 
     def _readlink(self, rel: bytes) -> bytes:
         return os.readlink(self._src(rel))
@@ -728,30 +745,55 @@ class SlowFS(Filesystem):
     def _unopendir(self, body: bytes) -> None:
         self._dirs.pop(p.OPEN_OUT.unpack_from(body)[0], None)
 
-    def _readdir(self, rel: bytes, fh: int, size: int) -> bytes:
+    def _readdir(self, rel: bytes, fh: int, size: int, plus: bool) -> bytes:
         if fh not in self._dirs:
             raise OSError(errno.EBADF, "directory not open")
         src = self._src(rel)
         here, parent = os.lstat(src).st_ino, os.lstat(src + b"/..").st_ino
-        names = [(b".", here, stat.S_IFDIR), (b"..", parent, stat.S_IFDIR)]
+        entries = [Listed(b".", here, stat.S_IFDIR, None),
+                   Listed(b"..", parent, stat.S_IFDIR, None)]
+        # With an attribute cache, READDIRPLUS brings each entry's attributes (NFS's does).
+        with_attrs = plus and self.emu.settings.actimeo_s > 0
         with os.scandir(src) as it:
-            names += [(entry.name, entry.inode(), _dirent_mode(entry)) for entry in it]
-        entries = [p.dirent(ino, index + 1, mode, name)
-                   for index, (name, ino, mode) in enumerate(names)]
+            entries += [Listed(entry.name, entry.inode(), _dirent_mode(entry),
+                               _entry_lstat(entry) if with_attrs else None) for entry in it]
         self._dirs[fh] = entries
-        return self._page(entries, 0, size)
+        return self._page(rel, entries, 0, size, plus)
 
-    @staticmethod
-    def _page(entries: list[bytes], offset: int, size: int) -> bytes:
-        """The dirents from offset on that fit in size bytes."""
+    def _page(self, rel: bytes, entries: list[Listed], offset: int, size: int,
+              plus: bool) -> bytes:
+        """The records from offset on that fit in size bytes; a READDIRPLUS record with
+        attributes counts as a lookup of its name, as the kernel counts it."""
         out: list[bytes] = []
         used = 0
-        for record in itertools.islice(entries, offset, None):
+        cached = self.emu.settings.actimeo_s
+        for index, (name, ino, mode, st) in enumerate(itertools.islice(entries, offset, None),
+                                                      start=offset + 1):
+            if not plus:
+                record = p.dirent(ino, index, mode, name)
+            else:  # a direntplus is as long with or without attributes
+                record = p.direntplus(bytes(p.ENTRY_OUT_BYTES), ino, index, mode, name)
             used += len(record)
             if used > size:
                 break
+            if plus and st is not None:
+                nodeid = self._lookup_listed(rel + b"/" + name if rel else name)
+                record = p.direntplus(p.entry_out(nodeid, 0, cached, cached, _attr(st)),
+                                      ino, index, mode, name)
+            # else nodeid 0: the name without attributes (".", "..", no attribute cache)
             out.append(record)
         return b"".join(out)
+
+    def _lookup_listed(self, rel: bytes) -> int:
+        """The node id of a name a READDIRPLUS answer carries, counted as one lookup."""
+        with self._lock:
+            nodeid = self._ids.get(rel)
+            if nodeid is None:
+                nodeid = next(self._next_id)
+                self._ids[rel] = nodeid
+                self._nodes[nodeid] = Node(rel)
+            self._nodes[nodeid].lookups += 1
+        return nodeid
 
     def _open(self, rel: bytes, flags: int) -> bytes:
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
@@ -939,6 +981,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--open-ms", type=float, help="latency of each open, ms")
     p.add_argument("--read-ms", type=float, help="latency of each read, ms")
     p.add_argument("--bandwidth-mbps", type=float, help="shared link bandwidth, MB/s (0: no cap)")
+    p.add_argument("--actimeo-s", type=float,
+                   help="how long the kernel keeps entries and attributes, s (NFS actimeo)")
     p.add_argument("--control", help="control socket (default: .NAME.slowfs.sock beside the "
                                      "mount point)")
     p.add_argument("--foreground", action="store_true", help="stay attached")
@@ -989,7 +1033,7 @@ def _serve(args: argparse.Namespace, source: str, mountpoint: str, control_path:
         return _fail(f"control socket {control_path!r}: {e}")
     fs = SlowFS(emu)
     # No passthrough: every read must come here to pay its latency.
-    session = Session(fs, want_passthrough=False)
+    session = Session(fs, want_passthrough=False, readdirplus=True)
     log.info("mounting %s at %s, settings %s, control %s", source, mountpoint, asdict(settings),
              control_path)
     try:

@@ -139,7 +139,7 @@ class CachedTree:
         return self.remote.readlink(relpath)
 
     def listdir(self, relpath: str) -> list[tuple[str, int]]:
-        return self.remote.listdir(relpath)
+        return self.attrs.list_directory(relpath)
 
     # -- open ------------------------------------------------------------------------------
 

@@ -244,6 +244,9 @@ class Prefetcher:
                 active.done.set()
 
     def _prefetch(self, hinted: str, caller: Caller | None) -> None:
+        # Due or unknown attributes: the directory's listing refreshes this name and its
+        # neighbours, whose hints then settle at intake without a round trip each.
+        self.attrs.refresh_directory_of(hinted)
         try:
             relpath, attr = resolve(hinted, self.attrs, self.remote, caller)
         except NotInTree:

@@ -5,6 +5,11 @@ a round trip to the NFS server.  They are kept here for ``revalidate_seconds``
 (``None``: for ever, the dataset is immutable).  The interval is the promise:
 once it has passed since a change on the remote, no old bytes are served.
 
+A listing of a directory brings its entries' attributes in the same round trip
+(NFS READDIRPLUS), so a directory is refreshed as a whole: by `ls` through the mount,
+and ahead of a hinted epoch (:meth:`AttrCache.refresh_directory_of`), where one
+listing stands in for a round trip per file.
+
 When the remote cannot answer (timeout, EIO), the last known attributes, or
 those recorded with a cached file, are used instead: a training job keeps
 reading its cached files through a remote outage.  When the remote answers
@@ -34,8 +39,8 @@ IMMUTABLE_KERNEL_SECONDS = 86400.0
 class AttrCache:
     """Attributes by path relative to BACKING.
 
-    Thread safety: ``_lock`` guards ``_entries`` (a leaf lock, never held across
-    a remote call).
+    Thread safety: ``_lock`` guards ``_entries``, ``_listed`` and ``_listing`` (a leaf
+    lock, never held across a remote call or a wait).
     """
 
     def __init__(
@@ -52,6 +57,9 @@ class AttrCache:
         self._lock = threading.Lock()
         # path -> (attr, monotonic time it was fetched); insertion order is age order.
         self._entries: dict[str, tuple[Attr, float]] = {}
+        # directory -> when its last listing started; directories being listed now.
+        self._listed: dict[str, float] = {}
+        self._listing: dict[str, threading.Event] = {}
 
     def get(self, relpath: str) -> Attr:
         """The file's attributes, fetched from the remote when older than the interval."""
@@ -97,6 +105,55 @@ class AttrCache:
             return None
         return entry[0]
 
+    def list_directory(self, relpath: str) -> list[tuple[str, int]]:
+        """(name, file type bits) of each entry of the directory, from the remote; the
+        attributes that come with the listing are remembered for the interval."""
+        started = time.monotonic()
+        listing = self._remote.listdir(relpath)
+        prefix = f"{relpath}/" if relpath else ""
+        with self._lock:
+            for name, _, attr in listing:
+                # Not over what a lookup learned while the listing was under way.
+                known = self._entries.get(prefix + name)
+                if attr is not None and (known is None or known[1] < started):
+                    self._remember_locked(prefix + name, attr, started)
+            if len(self._listed) >= self._max_entries:
+                self._listed.clear()
+            self._listed[relpath] = started
+        return [(name, kind) for name, kind, _ in listing]
+
+    def refresh_directory_of(self, relpath: str) -> None:
+        """Before ``relpath``'s attributes are needed (a hinted file): if memory has none
+        within the interval, list its directory, which refreshes every name in it in one
+        round trip.  A directory is listed once per interval at most, and by one caller at
+        a time: another caller meanwhile waits for that listing.  Never raises: whatever
+        the listing could not refresh is looked up name by name when it is needed."""
+        if self.peek(relpath) is not None or not self._remote.available:
+            return
+        directory = relpath.rpartition("/")[0]
+        now = time.monotonic()
+        with self._lock:
+            underway = self._listing.get(directory)
+            if underway is None:
+                listed = self._listed.get(directory)
+                if listed is not None and (self._ttl is None or now - listed < self._ttl):
+                    return  # listed within the interval: the name was not in it
+                underway = self._listing[directory] = threading.Event()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            underway.wait(self._remote.timeout_seconds)
+            return
+        try:
+            self.list_directory(directory)
+        except (RemoteUnavailable, OSError) as exc:
+            log.debug("listing %r to refresh its attributes failed: %s", directory, exc)
+        finally:
+            with self._lock:
+                del self._listing[directory]
+            underway.set()
+
     def put(self, relpath: str, attr: Attr) -> None:
         """Remember attributes learned elsewhere (a fresh fstat of the open file)."""
         self._remember(relpath, attr, time.monotonic())
@@ -107,12 +164,15 @@ class AttrCache:
 
     def _remember(self, relpath: str, attr: Attr, now: float) -> None:
         with self._lock:
-            self._entries.pop(relpath, None)
-            self._entries[relpath] = (attr, now)
-            if len(self._entries) > self._max_entries:
-                # Drop the oldest tenth: they would need a round trip soon anyway.
-                for old in list(self._entries)[: self._max_entries // 10]:
-                    del self._entries[old]
+            self._remember_locked(relpath, attr, now)
+
+    def _remember_locked(self, relpath: str, attr: Attr, now: float) -> None:
+        self._entries.pop(relpath, None)
+        self._entries[relpath] = (attr, now)
+        if len(self._entries) > self._max_entries:
+            # Drop the oldest tenth: they would need a round trip soon anyway.
+            for old in list(self._entries)[: self._max_entries // 10]:
+                del self._entries[old]
 
 
 def relpath_of(fuse_path: str) -> str:
