@@ -55,6 +55,52 @@ class _Hint:
     received_at: float
 
 
+class _HintQueue:
+    """Hints waiting for a worker, oldest first, and which of them are in each directory
+    (a directory just listed settles its files' hints in one pass).  Guarded by the
+    prefetcher's ``_cond``."""
+
+    def __init__(self) -> None:
+        self._hints: collections.OrderedDict[str, _Hint] = collections.OrderedDict()
+        self._by_directory: dict[str, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._hints)
+
+    def __contains__(self, relpath: str) -> bool:
+        return relpath in self._hints
+
+    def add(self, relpath: str, hint: _Hint) -> None:
+        self._hints[relpath] = hint
+        self._by_directory.setdefault(relpath.rpartition("/")[0], set()).add(relpath)
+
+    def pop(self, relpath: str) -> _Hint | None:
+        hint = self._hints.pop(relpath, None)
+        if hint is not None:
+            self._unindex(relpath)
+        return hint
+
+    def pop_oldest(self) -> tuple[str, _Hint]:
+        relpath, hint = self._hints.popitem(last=False)
+        self._unindex(relpath)
+        return relpath, hint
+
+    def in_directory(self, directory: str) -> list[tuple[str, _Hint]]:
+        return [(relpath, self._hints[relpath])
+                for relpath in self._by_directory.get(directory, ())]
+
+    def clear(self) -> None:
+        self._hints.clear()
+        self._by_directory.clear()
+
+    def _unindex(self, relpath: str) -> None:
+        directory = relpath.rpartition("/")[0]
+        names = self._by_directory[directory]
+        names.discard(relpath)
+        if not names:
+            del self._by_directory[directory]
+
+
 @dataclass
 class _Active:
     """A prefetch under way.  ``done`` is set when it ends, however it ends."""
@@ -98,7 +144,7 @@ class Prefetcher:
         self._outcome = {r: metrics.prefetch_files.labels(r) for r in ("used", "wasted",
                                                                        "failed")}
         self._cond = threading.Condition()
-        self._queue: collections.OrderedDict[str, _Hint] = collections.OrderedDict()
+        self._queue = _HintQueue()
         # Files being prefetched now, from the moment a worker takes the hint.
         self._active: dict[str, _Active] = {}
         # Prefetched into the cache, not yet opened: path -> when.
@@ -143,7 +189,7 @@ class Prefetcher:
                     or self._closed:
                 result = "dropped"
             else:
-                self._queue[relpath] = _Hint(caller, time.monotonic())
+                self._queue.add(relpath, _Hint(caller, time.monotonic()))
                 self._cond.notify()
                 return
         self._hints[result].inc()
@@ -154,7 +200,7 @@ class Prefetcher:
         """Called as a reader opens a file: settle what the prefetcher did for it."""
         with self._cond:
             # A hint still queued: the reader got there first, fetching it now is useless.
-            passed = self._queue.pop(relpath, None) is not None
+            passed = self._queue.pop(relpath) is not None
             active = self._active.get(relpath)
             if active is not None:
                 active.opened = True
@@ -221,7 +267,7 @@ class Prefetcher:
                     self._maintain_locked()
                 if self._closed:
                     return
-                relpath, hint = self._queue.popitem(last=False)
+                relpath, hint = self._queue.pop_oldest()
                 stale = time.monotonic() - hint.received_at > HINT_TTL_SECONDS
                 active = None if stale else _Active(threading.Event())
                 if active is not None:
@@ -245,8 +291,10 @@ class Prefetcher:
 
     def _prefetch(self, hinted: str, caller: Caller | None) -> None:
         # Due or unknown attributes: the directory's listing refreshes this name and its
-        # neighbours, whose hints then settle at intake without a round trip each.
-        self.attrs.refresh_directory_of(hinted)
+        # neighbours, whose hints then settle without a round trip each: those queued now
+        # right here, those still to come at intake.
+        if self.attrs.refresh_directory_of(hinted):
+            self._settle_queued_in(hinted.rpartition("/")[0])
         try:
             relpath, attr = resolve(hinted, self.attrs, self.remote, caller)
         except NotInTree:
@@ -286,6 +334,16 @@ class Prefetcher:
                 self._unused[relpath] = time.monotonic()
         if admit and opened_meanwhile:
             self._outcome["used"].inc()  # (a staged file counts as used when taken)
+
+    def _settle_queued_in(self, directory: str) -> None:
+        """The directory was just listed: settle the queued hints of its files that memory
+        now shows cached and fresh, in one pass instead of a worker's turn each."""
+        with self._cond:
+            queued = self._queue.in_directory(directory)
+        settled = [relpath for relpath, hint in queued if self._known_cached(relpath, hint.caller)]
+        with self._cond:
+            taken = sum(self._queue.pop(relpath) is not None for relpath in settled)
+        self._hints["cached"].inc(taken)
 
     def _known_cached(self, relpath: str, caller: Caller | None) -> bool:
         """Whether memory alone shows the file whole in the cache and readable by the

@@ -122,14 +122,15 @@ class AttrCache:
             self._listed[relpath] = started
         return [(name, kind) for name, kind, _ in listing]
 
-    def refresh_directory_of(self, relpath: str) -> None:
+    def refresh_directory_of(self, relpath: str) -> bool:
         """Before ``relpath``'s attributes are needed (a hinted file): if memory has none
         within the interval, list its directory, which refreshes every name in it in one
         round trip.  A directory is listed once per interval at most, and by one caller at
-        a time: another caller meanwhile waits for that listing.  Never raises: whatever
-        the listing could not refresh is looked up name by name when it is needed."""
+        a time: another caller meanwhile waits for that listing.  True when this call
+        listed it.  Never raises: whatever the listing could not refresh is looked up name
+        by name when it is needed."""
         if self.peek(relpath) is not None or not self._remote.available:
-            return
+            return False
         directory = relpath.rpartition("/")[0]
         now = time.monotonic()
         with self._lock:
@@ -137,18 +138,20 @@ class AttrCache:
             if underway is None:
                 listed = self._listed.get(directory)
                 if listed is not None and (self._ttl is None or now - listed < self._ttl):
-                    return  # listed within the interval: the name was not in it
+                    return False  # listed within the interval: the name was not in it
                 underway = self._listing[directory] = threading.Event()
                 mine = True
             else:
                 mine = False
         if not mine:
             underway.wait(self._remote.timeout_seconds)
-            return
+            return False
         try:
             self.list_directory(directory)
+            return True
         except (RemoteUnavailable, OSError) as exc:
             log.debug("listing %r to refresh its attributes failed: %s", directory, exc)
+            return False
         finally:
             with self._lock:
                 del self._listing[directory]
