@@ -262,6 +262,46 @@ def test_unprivileged_hints_fetch_only_what_the_caller_may_read(source, remote, 
     assert hint_results(mount)["invalid"] == len(denied)
 
 
+def test_a_hint_lists_no_directory_outside_the_tree_or_beyond_the_caller(
+        tmp_path, source, remote, mount_cachefs):
+    """A hinted file's directory is listed (to refresh its attributes in one pass) only when
+    it is reached through directories the caller may search: never through a symlink, which
+    could lead out of the tree, nor into a directory the caller may not enter."""
+    from bench.emulator.remote import EmulatedRemote
+
+    build_private_tree(source)
+    (source / "open").mkdir()
+    (source / "open" / "a.bin").write_bytes(b"listed for anyone\n")
+    elsewhere_source = tmp_path / "elsewhere-source"
+    (elsewhere_source / "dir").mkdir(parents=True)
+    (elsewhere_source / "dir" / "x.bin").write_bytes(b"outside the tree\n")
+    (tmp_path / "elsewhere").mkdir()
+    elsewhere = EmulatedRemote(elsewhere_source, tmp_path / "elsewhere", profile="local",
+                               log_file=tmp_path / "elsewhere.log").start()
+    try:
+        os.symlink(str(elsewhere.path / "dir"), source / "link_out")
+        mount = mount_cachefs(remote.path, fraction=1.0)
+        sock = control_socket_path(mount.path)
+
+        def listings(emulator=remote) -> int:
+            return emulator.stats()["ops"].get("readdir", 0)
+
+        before, outside = listings(), listings(elsewhere)  # (its start lists its root)
+        result = as_nobody(CONTROL_CLIENT, sock, "HINT private/inner.bin")
+        assert result.returncode == 0, result.stderr
+        send_lines(sock, [b"HINT link_out/x.bin"])
+        wait_for(lambda: hint_results(mount)["invalid"] >= 2, what="both hints judged")
+        assert listings() == before  # private/ was not listed for nobody
+        assert listings(elsewhere) == outside  # nor anything outside the tree
+
+        result = as_nobody(CONTROL_CLIENT, sock, "HINT open/a.bin")
+        assert result.returncode == 0, result.stderr
+        wait_for(lambda: mount.metric("cachefs_cache_files") == 1, what="open/a.bin fetched")
+        assert listings() == before + 1  # what nobody may enter is listed for nobody
+    finally:
+        elsewhere.stop()
+
+
 # -- nothing leaks through the cache dir or the metrics -------------------------------------------
 
 def _listening_tcp(pid: int) -> list[tuple[str, int]]:

@@ -9,7 +9,9 @@ regular file inside BACKING that the caller may read:
 - :func:`resolve` walks it component by component through the attribute cache,
   follows symlinks only while they stay inside the tree (never absolute ones),
   and checks, as the kernel would, that the caller may search every directory
-  and read the file.
+  and read the file;
+- :func:`listable_directory_of` says whether the daemon may list the directory
+  of a hinted file for its caller (to refresh its attributes in one pass).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import stat
 from dataclasses import dataclass
 
 from cachefs.attr import Attr
-from cachefs.errors import NotInTree
+from cachefs.errors import CachefsError, NotInTree
 from cachefs.remote.attrcache import AttrCache
 from cachefs.remote.remote import Remote
 
@@ -80,6 +82,26 @@ def _may(attr: Attr, caller: Caller, want: int) -> bool:
     else:
         bits = attr.mode & 7
     return bits & want == want
+
+
+def listable_directory_of(relpath: str, attrs: AttrCache, caller: Caller | None) -> bool:
+    """Whether the directory holding ``relpath`` (a normalized path) is reached through
+    directories only, no symlink, each of which the caller may search, the last one
+    included: what must hold before the daemon lists that directory for the caller's hint
+    (a listing follows symlinks, which may lead out of the tree)."""
+    searching = caller is not None and caller.uid != 0
+    done = ""
+    try:
+        if searching and not _may(attrs.get(done), caller, 1):
+            return False
+        for part in relpath.split("/")[:-1]:
+            done = f"{done}/{part}" if done else part
+            attr = attrs.get(done)
+            if not attr.is_dir or (searching and not _may(attr, caller, 1)):
+                return False
+    except (OSError, CachefsError):
+        return False
+    return True
 
 
 def resolve(relpath: str, attrs: AttrCache, remote: Remote, caller: Caller | None
