@@ -267,6 +267,8 @@ def read_files(paths) -> list[bytes]:
             found[i] = got[k]
     for i, data in enumerate(found):
         if data is None:
-            with open(paths[i], "rb") as f:
+            # Unbuffered: a buffered open asks whether the file is a terminal, an ioctl
+            # that a FUSE mount sends to its daemon, one more round trip per file.
+            with open(paths[i], "rb", buffering=0) as f:
                 found[i] = f.read()
     return found
