@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_ENTRIES = 1_000_000
 # How long the kernel may keep entries and attributes that never change (--revalidate never).
 IMMUTABLE_KERNEL_SECONDS = 86400.0
+# Names of a listing remembered per turn of the lock.
+LISTING_SLICE = 4096
 
 
 class AttrCache:
@@ -111,12 +113,23 @@ class AttrCache:
         started = time.monotonic()
         listing = self._remote.listdir(relpath)
         prefix = f"{relpath}/" if relpath else ""
+        entries = self._entries
+        # In slices, so that a huge directory does not hold up the lookups remembering
+        # their own attributes meanwhile.
+        for first in range(0, len(listing), LISTING_SLICE):
+            with self._lock:
+                for name, _, attr in listing[first:first + LISTING_SLICE]:
+                    if attr is None:
+                        continue
+                    path = prefix + name
+                    known = entries.pop(path, None)
+                    if known is not None and known[1] >= started:
+                        attr, fetched = known  # a lookup's, newer than the listing: kept
+                    else:
+                        fetched = started
+                    entries[path] = (attr, fetched)
+                self._trim_locked()
         with self._lock:
-            for name, _, attr in listing:
-                # Not over what a lookup learned while the listing was under way.
-                known = self._entries.get(prefix + name)
-                if attr is not None and (known is None or known[1] < started):
-                    self._remember_locked(prefix + name, attr, started)
             if len(self._listed) >= self._max_entries:
                 self._listed.clear()
             self._listed[relpath] = started
@@ -172,6 +185,9 @@ class AttrCache:
     def _remember_locked(self, relpath: str, attr: Attr, now: float) -> None:
         self._entries.pop(relpath, None)
         self._entries[relpath] = (attr, now)
+        self._trim_locked()
+
+    def _trim_locked(self) -> None:
         if len(self._entries) > self._max_entries:
             # Drop the oldest tenth: they would need a round trip soon anyway.
             for old in list(self._entries)[: self._max_entries // 10]:

@@ -199,16 +199,22 @@ def _scan(path: str) -> list[tuple[str, int, Attr | None]]:
         # Each name's lstat as it is listed, as `ls -l` does: the NFS client sees the
         # attributes wanted and keeps asking for them with the names (READDIRPLUS).
         for entry in it:
-            attr = _entry_attr(entry) if len(listed) < LISTED_ATTRS_MAX else None
-            listed.append((entry.name, _dirent_type(entry), attr))
+            attr = None
+            if len(listed) < LISTED_ATTRS_MAX:
+                try:
+                    attr = Attr.from_stat(entry.stat(follow_symlinks=False))
+                except FileNotFoundError:
+                    pass  # gone since the listing
+            kind = _dirent_type(entry) if attr is None else _kind(attr.mode)
+            listed.append((entry.name, kind, attr))
     return listed
 
 
-def _entry_attr(entry: os.DirEntry) -> Attr | None:
-    try:
-        return Attr.from_stat(entry.stat(follow_symlinks=False))
-    except FileNotFoundError:
-        return None  # gone since the listing
+def _kind(mode: int) -> int:
+    """The file type the mirror shows: a symlink, a directory, or (anything else) a file."""
+    if stat.S_ISLNK(mode):
+        return stat.S_IFLNK
+    return stat.S_IFDIR if stat.S_ISDIR(mode) else stat.S_IFREG
 
 
 def _dirent_type(entry: os.DirEntry) -> int:
