@@ -18,8 +18,9 @@ from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Sa
 
 import cachefs_client
 from bench.driver import drop_page_cache
+from cachefs.remote.attrcache import LIST_AFTER_LOOKUPS
 from cachefs_client import DataLoader, FileDataset, HintingBatchSampler
-from tests.conftest import REPO, make_files, run_cachefs
+from tests.conftest import REPO, errno_of, make_files, run_cachefs
 
 
 class IndexedFiles(torch.utils.data.Dataset):
@@ -329,6 +330,33 @@ def test_ls_through_the_mount_refreshes_the_names_listed(source, remote, mount_c
     with pytest.raises(OSError) as missing:
         os.lstat(directory / "img-not-listed")
     assert missing.value.errno == errno.EIO  # the fault is there, for what was not listed
+
+
+def test_a_directory_read_name_by_name_is_listed_once_in_the_background(source, remote,
+                                                                        mount_cachefs):
+    """A first epoch looks its names up one at a time: a few lookups in a directory list
+    nothing, but once LIST_AFTER_LOOKUPS of them have gone to the remote the directory is
+    listed, once, off the readers' path, and the names after that need no lookup of their
+    own on the remote."""
+    rels = make_files(source, 120, size=300, per_dir=120)
+    remote.configure(actimeo_s=30.0)  # the listing's lstats answered by the NFS client
+    mount = mount_cachefs(remote.path, revalidate=60)
+    before = remote_ops(remote)
+    for rel in rels[:LIST_AFTER_LOOKUPS - 1]:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
+    time.sleep(0.5)
+    assert "readdir" not in ops_since(remote, before)
+
+    rel = rels[LIST_AFTER_LOOKUPS - 1]
+    assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
+    # From now on a remote lookup of a file fails: the rest read only with the listing's
+    # attributes, once the daemon holds them.
+    remote.set_fault("errno", errno=errno.EIO, ops=["getattr"], glob="*/img*")
+    last = mount.path / rels[-1]
+    wait_for(lambda: errno_of(last.read_bytes) is None, what="the listing's attributes")
+    for rel in rels[LIST_AFTER_LOOKUPS:]:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
+    assert ops_since(remote, before).get("readdir") == 1
 
 
 # -- hints are advisory -------------------------------------------------------------------------
