@@ -4,10 +4,11 @@
 * ``direct``: the emulated remote read directly, what training does without a cache;
 * ``cachefs-f<F>`` and ``cachefs-f<F>-hints``: cachefs over the remote keeping a fraction F,
   without and with the client's prefetch hints;
-* ``cachefs-f1-hints-due``: f = 1 with hints and every file's attributes due for revalidation
-  when each epoch starts (``--revalidate REVALIDATE_DUE_S``, and a pause that long before each
-  epoch), as in every real epoch longer than the interval; the other variants' epochs are
-  shorter than the default interval, so their attributes stay fresh, as with ``never``;
+* ``cachefs-f1-due`` and ``cachefs-f1-hints-due``: f = 1, without and with hints, and every
+  file's attributes due for revalidation when each epoch starts (``--revalidate
+  REVALIDATE_DUE_S``, and a pause that long before each epoch), as in every real epoch longer
+  than the interval; the other variants' epochs are shorter than the default interval, so
+  their attributes stay fresh, as with ``never``;
 * ``rclone``: rclone's VFS cache (``--vfs-cache-mode full``) over the remote, given the byte
   budget that cachefs has at the peer fraction (0.2 by default).
 """
@@ -54,7 +55,8 @@ class Variant:
 def all_variants(fractions: tuple[float, ...] = DEFAULT_FRACTIONS) -> list[Variant]:
     """Every variant, in the order a run measures them."""
     cached = [Variant(CACHEFS, f, hints) for f in fractions for hints in (False, True)]
-    due = [Variant(CACHEFS, 1.0, True, attributes_due=True)] if 1.0 in fractions else []
+    due = [Variant(CACHEFS, 1.0, hints, attributes_due=True) for hints in (False, True)
+           if 1.0 in fractions]
     return [Variant(LOCAL), Variant(DIRECT), *cached, *due, Variant(RCLONE, PEER_FRACTION)]
 
 
