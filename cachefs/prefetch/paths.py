@@ -10,8 +10,8 @@ regular file inside BACKING that the caller may read:
   follows symlinks only while they stay inside the tree (never absolute ones),
   and checks, as the kernel would, that the caller may search every directory
   and read the file;
-- :func:`listable_directory_of` says whether the daemon may list the directory
-  of a hinted file for its caller (to refresh its attributes in one pass).
+- :func:`searchable_directory_of` says whether the caller may search the directory
+  of a hinted file, which the daemon then lists to refresh its attributes in one pass.
 """
 
 from __future__ import annotations
@@ -84,20 +84,19 @@ def _may(attr: Attr, caller: Caller, want: int) -> bool:
     return bits & want == want
 
 
-def listable_directory_of(relpath: str, attrs: AttrCache, caller: Caller | None) -> bool:
-    """Whether the directory holding ``relpath`` (a normalized path) is reached through
-    directories only, no symlink, each of which the caller may search, the last one
-    included: what must hold before the daemon lists that directory for the caller's hint
-    (a listing follows symlinks, which may lead out of the tree)."""
-    searching = caller is not None and caller.uid != 0
+def searchable_directory_of(relpath: str, attrs: AttrCache, caller: Caller | None) -> bool:
+    """Whether the caller may search every directory on the way to ``relpath`` (a normalized
+    path), its own included: what must hold before the daemon lists that directory for the
+    caller's hint.  (That the way holds no symlink, the listing checks itself.)"""
+    if caller is None or caller.uid == 0:
+        return True
     done = ""
     try:
-        if searching and not _may(attrs.get(done), caller, 1):
+        if not _may(attrs.get(done), caller, 1):
             return False
         for part in relpath.split("/")[:-1]:
             done = f"{done}/{part}" if done else part
-            attr = attrs.get(done)
-            if not attr.is_dir or (searching and not _may(attr, caller, 1)):
+            if not _may(attrs.get(done), caller, 1):
                 return False
     except (OSError, CachefsError):
         return False

@@ -28,7 +28,7 @@ from cachefs import remotewait
 from cachefs.attr import Attr, Version
 from cachefs.errors import CachefsError, NotInTree
 from cachefs.metrics import Metrics
-from cachefs.prefetch.paths import Caller, listable_directory_of, normalize, resolve
+from cachefs.prefetch.paths import Caller, normalize, resolve, searchable_directory_of
 from cachefs.prefetch.staging import StagingArea, memory_file
 from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
@@ -294,7 +294,7 @@ class Prefetcher:
         # neighbours, whose hints then settle without a round trip each: those queued now
         # right here, those still to come at intake.
         if self.attrs.peek(hinted) is None \
-                and listable_directory_of(hinted, self.attrs, caller) \
+                and searchable_directory_of(hinted, self.attrs, caller) \
                 and self.attrs.refresh_directory_of(hinted):
             self._settle_queued_in(hinted.rpartition("/")[0])
         try:

@@ -163,6 +163,9 @@ class AttrCache:
         return self._refresh_directory(relpath.rpartition("/")[0])
 
     def _refresh_directory(self, directory: str) -> bool:
+        # A listing follows symlinks: only a directory reached through directories.
+        if not self.reached_through_directories(directory):
+            return False
         now = time.monotonic()
         with self._lock:
             underway = self._listing.get(directory)
@@ -222,13 +225,13 @@ class AttrCache:
                 directory = next(iter(self._to_list))
                 del self._to_list[directory]
             try:
-                # A listing follows symlinks: only a directory reached through directories.
-                if self._through_directories(directory):
-                    self._refresh_directory(directory)
+                self._refresh_directory(directory)
             except Exception:  # the names are then looked up one by one, as before
                 log.exception("listing %r in the background failed", directory)
 
-    def _through_directories(self, directory: str) -> bool:
+    def reached_through_directories(self, directory: str) -> bool:
+        """Whether every component of ``directory`` is a directory (no symlink, which could
+        lead out of the tree); False too when the remote cannot say."""
         done = ""
         try:
             for part in directory.split("/") if directory else ():
