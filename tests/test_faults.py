@@ -304,6 +304,27 @@ def test_full_cache_disk_stops_admission_and_readers_see_no_error(source, remote
     assert len(_log_lines(mount, "cache disk refused a write")) == 1
 
 
+def test_an_index_commit_meeting_a_read_only_disk_first_names_the_disk(tmp_path, scratch_fs):
+    # SQLite reports a read-only remount as "disk I/O error": the store says what it is.
+    from cachefs.store.admission import FractionAdmission
+    from cachefs.store.index import FileRecord
+    from cachefs.store.store import CacheStore
+    from tests.test_store import attr_of
+
+    disk = scratch_fs("ext4", 64 * 2**20)
+    store = CacheStore.open(disk / "cache", 32 * 2**20, FractionAdmission(1.0))
+    try:
+        assert store.store_chunk(b"before", attr_of(4), 0, b"abcd")
+        store.index.flush()
+        turn_read_only(disk)
+        store.index.put_file(b"after", FileRecord(attr_of(4), 0, 0))  # committed by the flusher
+        wait_for(lambda: store.write_error is not None, timeout=10, what="a refused commit")
+        assert store.write_error.startswith("Read-only file system (EROFS)"), store.write_error
+        assert not store.store_chunk(b"later", attr_of(4), 0, b"efgh")  # admission paused
+    finally:
+        store.close()
+
+
 def test_cache_disk_turning_read_only_stops_admission_and_readers_see_no_error(
         source, remote, mount_cachefs, scratch_fs):
     rels = make_files(source, 200, size=(1000, 60_000))

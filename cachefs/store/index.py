@@ -134,7 +134,10 @@ class CacheIndex:
         self._flush_wanted.set()
         self._flusher.join()
         with self._db_lock:
-            self.flush()
+            try:
+                self.flush()
+            except sqlite3.Error as exc:  # the check at the next start forgets the orphans
+                self.on_flush_error(exc)
             self._cache.close()
 
     def _get(self, key: bytes) -> bytes | None:

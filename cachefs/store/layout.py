@@ -198,6 +198,22 @@ class CacheLayout:
         finally:
             os.close(fd)
 
+    def probe_write(self) -> OSError | None:
+        """Write one byte to a new file under tmp/ and remove it: the error a write to this
+        disk meets now (read-only, full, I/O), or None when the disk takes it."""
+        probe = os.path.join(self.tmp_dir, f"probe.{threading.get_ident()}")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, b"\0")
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return exc
+        finally:
+            _unlink_quietly(probe)
+        return None
+
     def open_data(self, key: bytes) -> int:
         """A read-only descriptor of a data file (FileNotFoundError when it is gone)."""
         return os.open(self.data_path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)

@@ -439,7 +439,11 @@ class CacheStore:
         if isinstance(exc, OSError):
             message = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
         else:
-            message = f"index: {exc}"
+            # SQLite says only "disk I/O error" when the index's commit is the first write
+            # to meet a disk remounted read-only: a write of our own names the cause.
+            cause = self.layout.probe_write()
+            message = f"index: {exc}" if cause is None else \
+                f"{cause.strerror} ({errno.errorcode.get(cause.errno or 0, '?')}) (index: {exc})"
         with self._lock:  # concurrent fills fail together: say so once
             first = self._write_error is None
             if first:  # the first refusal is the cause; later ones follow from it
