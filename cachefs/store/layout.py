@@ -211,7 +211,10 @@ class CacheLayout:
         except OSError as exc:
             return exc
         finally:
-            _unlink_quietly(probe)
+            try:
+                os.unlink(probe)
+            except OSError:  # never made, or the disk refuses this too: sweep_tmp at start
+                pass
         return None
 
     def open_data(self, key: bytes) -> int:

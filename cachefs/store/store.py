@@ -79,6 +79,11 @@ def chunk_span(size: int, number: int) -> tuple[int, int]:
     return offset, max(0, min(CHUNK_BYTES, size - offset))
 
 
+def _describe(exc: OSError) -> str:
+    """``No space left on device (ENOSPC)``: the words and the name an operator searches."""
+    return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
+
+
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     """What changes when anything writes to a file, or puts another file in its place."""
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
@@ -437,13 +442,12 @@ class CacheStore:
     def _pause_admission(self, exc: OSError | sqlite3.Error) -> None:
         self.on_write_error()
         if isinstance(exc, OSError):
-            message = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
+            message = _describe(exc)
         else:
             # SQLite says only "disk I/O error" when the index's commit is the first write
             # to meet a disk remounted read-only: a write of our own names the cause.
             cause = self.layout.probe_write()
-            message = f"index: {exc}" if cause is None else \
-                f"{cause.strerror} ({errno.errorcode.get(cause.errno or 0, '?')}) (index: {exc})"
+            message = f"index: {exc}" if cause is None else f"{_describe(cause)} (index: {exc})"
         with self._lock:  # concurrent fills fail together: say so once
             first = self._write_error is None
             if first:  # the first refusal is the cause; later ones follow from it
