@@ -164,7 +164,7 @@ class AttrCache:
 
     def _refresh_directory(self, directory: str) -> bool:
         # A listing follows symlinks: only a directory reached through directories.
-        if not self.reached_through_directories(directory):
+        if not self._reached_through_directories(directory):
             return False
         now = time.monotonic()
         with self._lock:
@@ -229,7 +229,7 @@ class AttrCache:
             except Exception:  # the names are then looked up one by one, as before
                 log.exception("listing %r in the background failed", directory)
 
-    def reached_through_directories(self, directory: str) -> bool:
+    def _reached_through_directories(self, directory: str) -> bool:
         """Whether every component of ``directory`` is a directory (no symlink, which could
         lead out of the tree); False too when the remote cannot say."""
         done = ""
