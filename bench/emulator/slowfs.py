@@ -13,7 +13,15 @@ what makes a network file system different from a local disk:
   ``actimeo_s`` seconds (3 s, NFS's ``acregmin``, in the efs and filestore profiles; 0 in
   ``local``, so a change a test makes in SOURCE is visible through the mount at once), and a
   listing brings every entry's attributes with it (NFS READDIRPLUS, as FUSE's), so an lstat of
-  each name just listed costs no round trip; opens are direct_io (no data cache);
+  each name just listed costs no round trip;
+* the client's page cache, kept as NFS keeps it (close-to-open): an open asks the server for
+  the file's attributes, and the pages the kernel holds of the file stay valid while the file
+  is the same one, unchanged (inode, size, mtime and ctime as at the node's previous open);
+  otherwise they are dropped.  Reads of cached pages never reach the emulator, so they pay
+  no latency and no bandwidth, and a page that two readers (say, a reader handed the file
+  and a copy of it into a cache) want is fetched once.  The kernel reads ahead
+  ``READ_AHEAD_KB`` at a time, in requests of up to 1 MiB, as an NFS client with
+  ``rsize=1048576`` does;
 * NFS semantics for open files: a read (or an lseek to the end) on a file that was removed or
   replaced in SOURCE since it was opened fails with ESTALE, as it does for a second NFS client;
 * faults injected while mounted, through a control Unix socket (one JSON object per line, one
@@ -38,9 +46,9 @@ the 7.8 ms injected; the mfusepy version took 0.53 ms); ``stats`` reports ``cpu_
 
 Where it differs from a real NFS mount (on purpose or by FUSE's nature):
 
-* shared mmap of a file fails with ENODEV (the kernel allows it on a direct_io file only when
-  the session asks for FUSE_DIRECT_IO_ALLOW_MMAP, which cachefs's session does not); private
-  mmap works;
+* a read of a page the kernel holds is served from memory even when the file was removed or
+  rewritten in place since (an NFS client does the same until it revalidates at the next
+  open); only reads that reach the emulator see ESTALE;
 * a process blocked in a hung op cannot be killed until the hang is cleared or the daemon goes
   (a FUSE request in flight is uninterruptible), so always clear faults: EmulatedRemote.stop()
   does, and SIGTERM does;
@@ -102,6 +110,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from cachefs.kernel import protocol as p
 from cachefs.kernel.mount import MountOptions
+from cachefs.kernel.mountpoint import find_mount
 from cachefs.kernel.session import DEFERRED, Connection, Filesystem, Request, Session
 
 log = logging.getLogger("slowfs")
@@ -120,6 +129,9 @@ LATENCY_OF = {"getattr": "meta_ms", "readdir": "meta_ms", "readlink": "meta_ms",
 HANG_LIMIT_S = 3600.0
 CONTROL_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 20.0
+# How far the kernel reads ahead of a sequential reader: what amazon-efs-utils sets for an
+# EFS mount (Linux 5.4 lowered NFS's default to 128 KiB).
+READ_AHEAD_KB = 15360
 
 
 @dataclass
@@ -482,6 +494,18 @@ def _attr(st: os.stat_result) -> bytes:
                        st.st_rdev & 0xFFFF_FFFF, st.st_blksize, 0)
 
 
+def _set_read_ahead(mountpoint: str, kib: int) -> None:
+    """Set the mount's readahead (its backing device's ``read_ahead_kb``).  Called once the
+    kernel has taken the INIT reply, which would otherwise lower it again."""
+    entry = find_mount(mountpoint)
+    try:
+        if entry is None or not entry.device:
+            raise OSError(errno.ENOENT, "not in /proc/self/mountinfo")
+        Path(f"/sys/class/bdi/{entry.device}/read_ahead_kb").write_text(f"{kib}\n")
+    except OSError as exc:  # not root, no sysfs: the kernel's default readahead
+        log.warning("cannot set the readahead of %s to %d KiB: %s", mountpoint, kib, exc)
+
+
 def _dirent_mode(entry: os.DirEntry) -> int:
     # Only the file type and inode reach the kernel; d_type spares an lstat per name.
     if entry.is_symlink():
@@ -510,13 +534,21 @@ def _entry_lstat(entry: os.DirEntry) -> os.stat_result | None:
 
 
 class Node:
-    """A path the kernel knows by a node id, and how many lookups of it it counts."""
+    """A path the kernel knows by a node id, how many lookups of it it counts, and which file
+    its pages are of (what its last open found: close-to-open)."""
 
-    __slots__ = ("rel", "lookups")
+    __slots__ = ("rel", "lookups", "opened")
 
     def __init__(self, rel: bytes, lookups: int = 0) -> None:
         self.rel = rel  # relative to SOURCE, without a leading slash; b"" for the root
         self.lookups = lookups
+        self.opened: tuple[int, ...] | None = None
+
+
+def _same_file(st: os.stat_result) -> tuple[int, ...]:
+    """What an NFS client compares at open to keep a file's cached pages: the file handle
+    (device and inode here) and its change attributes."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 @dataclass(frozen=True)
@@ -558,6 +590,8 @@ class SlowFS(Filesystem):
     def init(self, session: Session, connection: Connection) -> None:
         self.session = session
         log.info("serving (FUSE 7.%d)", connection.minor)
+        if getattr(session, "mountpoint", ""):
+            _set_read_ahead(session.mountpoint, READ_AHEAD_KB)
 
     def close(self) -> None:
         """Close what SOURCE files are still open (the mount is gone)."""
@@ -615,8 +649,9 @@ class SlowFS(Filesystem):
         self._dirs.pop(fh, None)
 
     def open(self, req: Request, nodeid: int, flags: int) -> object:
-        rel = self._node(nodeid).rel
-        return self._request(req, "open", rel, self._open, (rel, flags), on_lost=self._unopen)
+        node = self._node(nodeid)
+        return self._request(req, "open", node.rel, self._open, (node, flags),
+                             on_lost=self._unopen)
 
     def read(self, req: Request, nodeid: int, fh: int, offset: int, size: int) -> object:
         rel = self._node(nodeid).rel
@@ -795,10 +830,10 @@ class SlowFS(Filesystem):
             self._nodes[nodeid].lookups += 1
         return nodeid
 
-    def _open(self, rel: bytes, flags: int) -> bytes:
+    def _open(self, node: Node, flags: int) -> bytes:
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise OSError(errno.EROFS, "read-only")
-        src = self._src(rel)
+        src = self._src(node.rel)
         fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
@@ -807,7 +842,13 @@ class SlowFS(Filesystem):
             raise
         self._handles[fd] = Handle(fd, src, (st.st_dev, st.st_ino))
         self.emu.opened()
-        return p.open_out(fd, p.FOPEN_DIRECT_IO)
+        # Close-to-open: the pages the kernel holds stay while the file is the one they were
+        # read from; without FOPEN_KEEP_CACHE the kernel drops them at this open.
+        found = _same_file(st)
+        with self._lock:
+            keep = node.opened == found
+            node.opened = found
+        return p.open_out(fd, p.FOPEN_KEEP_CACHE if keep else 0)
 
     def _unopen(self, body: bytes) -> None:
         self._close(p.OPEN_OUT.unpack_from(body)[0])

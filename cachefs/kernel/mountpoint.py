@@ -23,6 +23,7 @@ class MountEntry:
     mountpoint: str
     fstype: str
     source: str
+    device: str = ""  # "major:minor", as /sys/class/bdi names a mount's readahead setting
 
 
 def _unescape(field: str) -> str:
@@ -46,7 +47,8 @@ def mounts() -> list[MountEntry]:
             left, _, right = line.partition(" - ")
             fields, tail = left.split(), right.split()
             if len(fields) >= 5 and len(tail) >= 2:
-                entries.append(MountEntry(_unescape(fields[4]), tail[0], _unescape(tail[1])))
+                entries.append(MountEntry(_unescape(fields[4]), tail[0], _unescape(tail[1]),
+                                          fields[2]))
     return entries
 
 
