@@ -10,13 +10,23 @@ the page cache dropped before each pass unless the path says otherwise:
   over);
 * ``cached``: the same files again, from the cache disk;
 * ``warm``: again, with the page cache kept (a node whose memory holds the dataset);
+* ``client``: the cached files read with ``cachefs_client.read_files`` in batches of 64
+  (the fast path: a descriptor of each local file over the control socket, no FUSE);
 * ``not kept``: a file outside the fraction (``--fraction 0``), read through;
+* ``prefetched``: the same, each reader hinting its share of the files (``HINT`` lines on the
+  control socket, as the client's sampler does) before reading them: what the daemon costs
+  per hinted file, from the hint to the read;
+* ``client not kept``: files outside the fraction read with ``read_files`` (where the kernel
+  reads the remote, the daemon hands over the remote's own file on the control socket);
 
 beside the same readers on the local copy (``local``) and on the remote directly
 (``remote``).  Variants (``--variants``) are measured in alternation, ``--repeats`` times, and
 reported as ranges (this machine is shared and noisy):
 
-* ``auto``: the default (kernel passthrough where the kernel offers it);
+* ``auto``: ``--passthrough auto``: the kernel reads local files, and the remote's own file
+  for a miss (copying a kept one into the cache itself);
+* ``local``: ``--passthrough local``: the kernel reads local files; the daemon reads the
+  remote (every remote byte through Python, bounded by ``--remote-timeout``);
 * ``off``: ``--passthrough off`` (the daemon serves every read);
 
 and with ``--baseline TREE`` each variant also as another checkout's cachefs serves it
@@ -41,14 +51,19 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.driver import drop_page_cache
 from bench.emulator.remote import EmulatedRemote
 from bench.mounts import REPO, CachefsMount
 
-PATHS = ("fill", "cached", "warm", "not kept")
-VARIANTS = {"auto": ("--passthrough", "auto"), "off": ("--passthrough", "off")}
+PATHS = ("fill", "cached", "warm", "client", "not kept", "prefetched", "client not kept")
+# The paths of a pass over files the cache keeps (fraction 1) and over files it does not.
+KEPT_PATHS = ("fill", "cached", "warm", "client")
+NOT_KEPT_PATHS = ("not kept", "prefetched", "client not kept")
+CLIENT_BATCH = 64
+VARIANTS = {name: ("--passthrough", name) for name in ("auto", "local", "off")}
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -68,6 +83,26 @@ def _read_files(paths: list[str]) -> int:
     return total
 
 
+def _read_files_hinted(paths: list[str]) -> int:
+    from cachefs_client import send_hints
+
+    send_hints(paths)
+    return _read_files(paths)
+
+
+def _read_files_client(paths: list[str]) -> int:
+    from cachefs_client import read_files
+
+    total = 0
+    for first in range(0, len(paths), CLIENT_BATCH):
+        total += sum(len(data) for data in read_files(paths[first:first + CLIENT_BATCH]))
+    return total
+
+
+READERS = {"client": _read_files_client, "client not kept": _read_files_client,
+           "prefetched": _read_files_hinted}
+
+
 class Readers:
     """READERS processes, started once, each reading its share of a pass."""
 
@@ -75,16 +110,16 @@ class Readers:
         self.count = count
         self._pool = multiprocessing.get_context("fork").Pool(count)
 
-    def read_pass(self, root: Path, names: list[str], *, seed: int, drop: bool = True
-                  ) -> tuple[float, int]:
-        """Read every file once, shuffled; (seconds, bytes)."""
+    def read_pass(self, root: Path, names: list[str], *, seed: int, drop: bool = True,
+                  path: str = "") -> tuple[float, int]:
+        """Read every file once, shuffled, as ``path`` says; (seconds, bytes)."""
         order = [str(root / name) for name in names]
         random.Random(seed).shuffle(order)
         shares = [order[i::self.count] for i in range(self.count)]
         if drop:
             drop_page_cache()
         started = time.perf_counter()
-        read = sum(self._pool.map(_read_files, shares))
+        read = sum(self._pool.map(READERS.get(path, _read_files), shares))
         return time.perf_counter() - started, read
 
     def close(self) -> None:
@@ -138,9 +173,15 @@ class Measurement:
 
 def _measure_pass(m: Measurement, readers: Readers, variant: str, path: str, root: Path,
                   names: list[str], *, daemon_pid: int | None, remote_pid: int | None,
-                  seed: int, drop: bool = True, expect_bytes: int) -> None:
+                  seed: int, drop: bool = True, expect_bytes: int,
+                  settle: Callable[[], None] | None = None) -> None:
+    """One pass: files/s as the readers saw it; the CPU of the daemon (and the remote) until
+    the pass's fills are done too (``settle``: a kept file handed to the kernel is copied
+    into the cache beside its reader, and may finish after it)."""
     before = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
-    seconds, read = readers.read_pass(root, names, seed=seed, drop=drop)
+    seconds, read = readers.read_pass(root, names, seed=seed, drop=drop, path=path)
+    if settle is not None:
+        settle()
     after = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
     if read != expect_bytes:
         raise SystemExit(f"datapath: {variant}/{path} read {read} bytes, expected {expect_bytes}")
@@ -157,28 +198,33 @@ def run(args: argparse.Namespace) -> Measurement:
         source = work / "source"
         names = make_files(source, args.files, args.size)
         total = args.files * args.size
-        (work / "remote").mkdir()
-        remote = EmulatedRemote(source, work / "remote", profile=args.profile).start()
-        remote_pid = remote._proc.pid if remote._proc else None
+        if args.profile == "tree":  # the tree itself: a remote as fast as the local disk
+            remote_path, remote_pid = source, None
+        else:
+            (work / "remote").mkdir()
+            remote = EmulatedRemote(source, work / "remote", profile=args.profile).start()
+            remote_path, remote_pid = remote.path, remote._proc.pid if remote._proc else None
         for repeat in range(args.repeats):
             seed = repeat
             _measure_pass(m, readers, "-", "local", source, names, daemon_pid=None,
                           remote_pid=None, seed=seed, expect_bytes=total)
-            _measure_pass(m, readers, "-", "remote", remote.path, names, daemon_pid=None,
-                          remote_pid=remote_pid, seed=seed, expect_bytes=total)
+            if remote is not None:
+                _measure_pass(m, readers, "-", "remote", remote_path, names, daemon_pid=None,
+                              remote_pid=remote_pid, seed=seed, expect_bytes=total)
             trees = [("", REPO)] + ([("@baseline", args.baseline)] if args.baseline else [])
             for variant, (suffix, tree) in itertools.product(args.variants, trees):
                 label = variant + suffix
-                for fraction, paths in ((1.0, ("fill", "cached", "warm")), (0.0, ("not kept",))):
+                for fraction, paths in ((1.0, KEPT_PATHS), (0.0, NOT_KEPT_PATHS)):
                     cache = work / f"cache-{label}-{repeat}-{fraction:g}"
-                    with CachefsMount(remote.path, work / "mnt", cache,
+                    with CachefsMount(remote_path, work / "mnt", cache,
                                       cache_size_bytes=4 * total + (256 << 20),
                                       fraction=fraction, log_file=work / f"{label}.log",
                                       extra_args=VARIANTS[variant], tree=tree) as mount:
                         for path in paths:
                             _measure_pass(m, readers, label, path, mount.path, names,
                                           daemon_pid=mount.pid, remote_pid=remote_pid,
-                                          seed=seed, drop=path != "warm", expect_bytes=total)
+                                          seed=seed, drop=path != "warm", expect_bytes=total,
+                                          settle=mount.settle)
                     shutil.rmtree(cache, ignore_errors=True)
             print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     finally:
@@ -197,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", default="local",
-                        help="the emulated remote's latency profile (default: local, none)")
-    parser.add_argument("--variants", default="auto,off",
+                        help="the emulated remote's latency profile (default: local, none), "
+                        "or 'tree': the local tree itself as the remote, no emulator")
+    parser.add_argument("--variants", default="auto,local,off",
                         type=lambda text: [v for v in text.split(",") if v])
     parser.add_argument("--baseline", type=lambda text: Path(text).resolve(),
                         help="another checkout (git worktree add DIR COMMIT) measured in turns "

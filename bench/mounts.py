@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +95,17 @@ class CachefsMount:
     def metrics_text(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             return response.read().decode()
+
+    def settle(self, timeout: float = 120.0) -> None:
+        """Wait until no file is being copied into the cache in the background (a miss handed
+        to the kernel is filled beside its reader): the cache as the next epoch finds it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            under_way = re.search(r"^cachefs_fills_under_way (\S+)$", self.metrics_text(), re.M)
+            if under_way is None or float(under_way.group(1)) == 0:  # none, or an older daemon
+                return
+            time.sleep(0.02)
+        raise MountError(f"fills still under way after {timeout:g} s")
 
     def warm(self, timeout: float) -> subprocess.CompletedProcess:
         """``cachefs warm PATH``: fetch every file the mount's admission keeps into its cache,

@@ -6,6 +6,8 @@ import os
 import stat
 from typing import NamedTuple
 
+_new_tuple = tuple.__new__
+
 
 class Version(NamedTuple):
     """What a cached copy is valid for: the remote file's size and mtime."""
@@ -41,7 +43,12 @@ class Attr(NamedTuple):
 
     @property
     def version(self) -> Version:
-        return Version(self.size, self.mtime_ns)
+        # tuple.__new__ directly: a NamedTuple's own constructor is a Python function, and
+        # this runs several times for every open.
+        return _new_tuple(Version, (self.size, self.mtime_ns))
+
+    def same_version(self, other: Attr) -> bool:
+        return self.size == other.size and self.mtime_ns == other.mtime_ns
 
     @property
     def is_file(self) -> bool:

@@ -22,6 +22,7 @@ OPEN_RESULTS = ("hit", "prefetched", "miss")
 HINT_RESULTS = ("accepted", "cached", "invalid", "dropped")
 PREFETCH_RESULTS = ("used", "wasted", "failed")
 REMOTE_ERROR_KINDS = ("timeout", "eio", "estale", "eacces", "other")
+FILL_RESULTS = ("stored", "not_stored", "changed", "failed", "skipped")
 PEER_FETCH_RESULTS = ("ok", "refused", "unavailable", "rejected")
 PEER_SERVED_RESULTS = ("ok", "denied", "refused", "failed")
 # A chunk from a peer on the same network: about a millisecond, more for a 4 MiB chunk.
@@ -109,6 +110,14 @@ class Metrics:
             "cachefs_prefetch_queued_files", "Hinted files waiting to be prefetched", registry=r)
         self.prefetch_inflight_files = Gauge(
             "cachefs_prefetch_inflight_files", "Files being prefetched now", registry=r)
+        self.fills = Counter(
+            "cachefs_fills", "Files copied whole into the cache by the kernel from the "
+            "remote's own file, by result: stored, not_stored (not admitted, or no room), "
+            "changed (the remote file changed during the copy: nothing stored), failed, "
+            "skipped (too many waiting: filled at a later open)", ["result"], registry=r)
+        self.fills_under_way = Gauge(
+            "cachefs_fills_under_way", "Files being copied into the cache by the kernel now, "
+            "or waiting to be", registry=r)
         self.staging_bytes = Gauge(
             "cachefs_staging_bytes", "Prefetched bytes held in memory for files the cache does "
             "not keep", registry=r)
@@ -151,6 +160,8 @@ class Metrics:
             self.hints.labels(result)
         for result in PREFETCH_RESULTS:
             self.prefetch_files.labels(result)
+        for result in FILL_RESULTS:
+            self.fills.labels(result)
         for kind in REMOTE_ERROR_KINDS:
             self.remote_errors.labels(kind)
         self.remote_available.set(1)

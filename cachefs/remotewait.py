@@ -18,12 +18,10 @@ says so with ``waiting()``:
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 _hooks = threading.local()
 # How often the watchdog looks for waits past their deadline: a wait is answered at most
@@ -50,25 +48,35 @@ def install(watchdog: Watchdog | None) -> None:
     _watchdog = watchdog
 
 
-@contextlib.contextmanager
-def waiting(*, remote_call: bool = True) -> Iterator[None]:
+class waiting:  # noqa: N801 - used as a function: ``with waiting():``
     """Around a wait on the remote.  ``remote_call`` False: a wait for another thread's
-    call (a fetch in flight), which is bounded like a call but not counted as one."""
-    begin = getattr(_hooks, "begin", None)
-    watchdog = _watchdog
-    watch = None
-    if watchdog is not None:
-        watch = watchdog.watch(getattr(_hooks, "expire", None), getattr(_hooks, "token", None),
-                               counted=remote_call)
-    if begin is not None:
-        begin()
-    try:
-        yield
-    finally:
+    call (a fetch in flight), which is bounded like a call but not counted as one.
+
+    A class rather than a generator: it runs around every call on the remote, and a
+    generator-based context manager costs several times as much."""
+
+    __slots__ = ("_remote_call", "_begin", "_watchdog", "_watch")
+
+    def __init__(self, *, remote_call: bool = True) -> None:
+        self._remote_call = remote_call
+
+    def __enter__(self) -> None:
+        hooks = _hooks
+        begin = self._begin = getattr(hooks, "begin", None)
+        watchdog = self._watchdog = _watchdog
+        self._watch = None
+        if watchdog is not None:
+            self._watch = watchdog.watch(getattr(hooks, "expire", None),
+                                         getattr(hooks, "token", None),
+                                         counted=self._remote_call)
         if begin is not None:
+            begin()
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._begin is not None:
             _hooks.end()
-        if watch is not None:
-            watchdog.unwatch(watch)
+        if self._watch is not None:
+            self._watchdog.unwatch(self._watch)
 
 
 class Watchdog:
@@ -79,18 +87,18 @@ class Watchdog:
     Every wait has the same timeout, so the oldest watch is always the first to expire:
     the watches are kept in order of age, and ending one is a dictionary deletion.
 
-    Thread safety: ``_cond`` guards ``_watches``; callbacks run on the watchdog's own
+    Thread safety: ``_cond`` guards ``_watches`` but for ``unwatch``, a single dictionary
+    deletion (atomic under the interpreter lock); callbacks run on the watchdog's own
     thread, outside the lock.
     """
 
     def __init__(self, timeout_seconds: float, on_expired: Callable[[], None]) -> None:
         self.timeout_seconds = timeout_seconds
         self._on_expired = on_expired
-        self._cond = threading.Condition()
-        # ident -> (deadline, expire, token, counted), oldest first.
-        self._watches: collections.OrderedDict[
-            int, tuple[float, Callable[[object], None] | None, object, bool]] = \
-            collections.OrderedDict()
+        self._cond = threading.Condition(threading.Lock())
+        # ident -> (deadline, expire, token, counted), oldest first (insertion order).
+        self._watches: dict[int, tuple[float, Callable[[object], None] | None, object,
+                                       bool]] = {}
         self._ids = itertools.count()
         self._closed = False
         self._idle = False  # asleep until the next watch
@@ -111,8 +119,9 @@ class Watchdog:
         return ident
 
     def unwatch(self, ident: int) -> None:
-        with self._cond:
-            self._watches.pop(ident, None)
+        # One dictionary operation, atomic without the lock: every call on the remote
+        # ends here.
+        self._watches.pop(ident, None)
 
     def close(self) -> None:
         with self._cond:
@@ -125,18 +134,18 @@ class Watchdog:
             with self._cond:
                 while not self._closed:
                     now = time.monotonic()
-                    while self._watches:
-                        ident, (deadline, expire, token, counted) = next(
-                            iter(self._watches.items()))
+                    # (An unwatch may take any entry meanwhile: nothing here assumes one
+                    # seen a moment ago is still there.)
+                    while (oldest := next(iter(self._watches.items()), None)) is not None:
+                        ident, (deadline, expire, token, counted) = oldest
                         if deadline > now:
                             break
-                        del self._watches[ident]
-                        due.append((expire, token, counted))
+                        if self._watches.pop(ident, None) is not None:
+                            due.append((expire, token, counted))
                     if due:
                         break
-                    if self._watches:
-                        self._cond.wait(min(next(iter(self._watches.values()))[0] - now,
-                                            POLL_SECONDS))
+                    if oldest is not None:
+                        self._cond.wait(min(oldest[1][0] - now, POLL_SECONDS))
                     else:
                         self._idle = True
                         self._cond.wait()

@@ -25,6 +25,8 @@ from cachefs.kernel.mountpoint import find_mount, unmount
 from cachefs.service.process import wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
+# The mounts the running test made, by mount point (see shuffled_read_all).
+_MOUNTED: dict[Path, CachefsMount] = {}
 
 
 def run_cachefs(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
@@ -72,6 +74,19 @@ class CachefsMount:
         if result.returncode != 0:
             raise RuntimeError(f"cachefs status failed: {result.stderr.strip()}")
         return json.loads(result.stdout)
+
+    def settle(self, timeout: float = 30) -> None:
+        """Wait until no file is being copied into the cache in the background (with the
+        kernel reading the remote, a miss is filled beside its reader, not before it)."""
+        wait_for(lambda: self.status()["fills"]["under_way"] == 0, timeout=timeout,
+                 what="fills done")
+
+    @property
+    def hands_over_remote(self) -> bool:
+        """Whether the kernel reads the remote's own file for a miss (--passthrough auto
+        where the kernel offers passthrough): the reader then sees what the NFS mount
+        shows, as a reader of the remote itself would."""
+        return self.status()["remote_handed_over"]
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """Every sample of the /metrics endpoint: {(name, sorted label items): value}."""
@@ -153,9 +168,12 @@ def mount_cachefs(tmp_path: Path, request) -> Iterator:
         mount = CachefsMount(backing, tmp_path / name, cache_dir or tmp_path / "cache",
                              tmp_path / f"{name}.log", options)
         mounts.append(mount)
+        _MOUNTED[mount.path] = mount
         return mount.start()
 
     yield factory
+    for mount in mounts:
+        _MOUNTED.pop(mount.path, None)
     failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
     for mount in mounts:
         if failed:
@@ -179,7 +197,10 @@ def pytest_runtest_makereport(item, call):
 
 def shuffled_read_all(root: Path, paths: list[str], seed: int, *,
                       drop_pages: bool = False) -> dict[str, bytes]:
-    """Read every file once in a shuffled order, as an epoch of training does.
+    """Read every file once in a shuffled order, as an epoch of training does.  When ``root``
+    is a cachefs mount of this test, then wait for the fills the pass started: where the
+    kernel reads the remote, a kept file is copied into the cache beside its reader, and the
+    next pass is to find the cache as an epoch later would.
 
     ``drop_pages`` drops each file's pages from the kernel's cache after reading it, as memory
     pressure would, so that the next read of an unchanged file reaches the daemon again.
@@ -194,6 +215,9 @@ def shuffled_read_all(root: Path, paths: list[str], seed: int, *,
             contents[rel] = f.read()
             if drop_pages:
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    mount = _MOUNTED.get(Path(root))
+    if mount is not None and mount.pid is not None:
+        mount.settle()
     return contents
 
 

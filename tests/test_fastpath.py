@@ -84,6 +84,7 @@ def test_a_corrupt_chunk_is_never_handed_over(source, remote, mount_cachefs):
     (source / "a.bin").write_bytes(os.urandom(100_000))
     mount = mount_cachefs(remote.path, cache_size="64MiB")
     assert read_file(mount.path / "a.bin") == (source / "a.bin").read_bytes()
+    mount.settle()
     [chunk] = [p for p in (mount.cache_dir / "data").rglob("*") if p.is_file()]
     raw = bytearray(chunk.read_bytes())
     raw[500] ^= 0xFF
@@ -154,6 +155,7 @@ def test_a_damaged_chunk_file_is_never_handed_over(source, remote, mount_cachefs
     (source / "a.bin").write_bytes(os.urandom(100_000))
     mount = mount_cachefs(remote.path, cache_size="64MiB")
     assert read_file(mount.path / "a.bin") == (source / "a.bin").read_bytes()
+    mount.settle()
     [chunk] = [p for p in (mount.cache_dir / "data").rglob("*") if p.is_file()]
     if damage == "truncate":
         os.truncate(chunk, 99_000)

@@ -442,7 +442,7 @@ def test_mount_helper_reports_a_bad_value_as_cachefs_mount_does(tmp_path):
         capture_output=True, text=True, timeout=30, cwd=REPO)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == \
-        ["cachefs mount: --passthrough: 'sometimes' is neither 'auto' nor 'off'"]
+        ["cachefs mount: --passthrough: 'sometimes' is none of 'auto', 'local' and 'off'"]
     assert find_mount(tmp_path / "mnt") is None
 
 

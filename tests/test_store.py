@@ -302,3 +302,78 @@ def test_chunks_written_at_once_into_a_new_directory_all_land(tmp_path):
         for key in keys:
             with open(layout.data_path(key), "rb") as f:
                 assert f.read() == key
+
+
+def _copy_of(source: str):
+    """A copy function as the kernel fill uses (sendfile from an open file)."""
+    def copy(out: int) -> None:
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            offset = 0
+            while offset < size:
+                offset += os.sendfile(out, fd, offset, size - offset)
+        finally:
+            os.close(fd)
+    return copy
+
+
+@pytest.mark.parametrize("size", [0, 1000, CHUNK_BYTES, 2 * CHUNK_BYTES + 5])
+def test_a_fill_from_a_descriptor_is_checked_and_indexed_whole(open_store, tmp_path, size):
+    data = os.urandom(size)
+    (tmp_path / "remote.bin").write_bytes(data)
+    store = open_store()
+    key, attr = b"d/remote.bin", attr_of(size)
+    assert store.fill(key, attr, _copy_of(str(tmp_path / "remote.bin")))
+    assert read_file(store, "d/remote.bin") == data
+    assert store.complete_files == 1
+    # Verified as written: handed over without reading it again.
+    fd = store.local_file(key, store.lookup(key))
+    assert fd is not None and os.pread(fd, size + 1, 0) == data
+    os.close(fd)
+    assert store.check(fix=False, verify_data=True).problems == 0
+    assert not os.listdir(tmp_path / "cache" / "tmp")
+
+
+def test_a_fill_that_fails_or_changes_leaves_nothing(open_store, tmp_path):
+    store = open_store()
+    used = store.used_bytes
+
+    def torn(out: int) -> None:
+        os.write(out, b"half of it")
+        raise RemoteChanged("the file changed on the remote while being copied")
+
+    with pytest.raises(RemoteChanged):
+        store.fill(b"torn.bin", attr_of(20), torn)
+    assert store.lookup(b"torn.bin") is None
+    assert not os.listdir(tmp_path / "cache" / "tmp")
+    assert store.used_bytes == used and store.admitting
+
+    # A copy shorter than the file's size is never indexed either.
+    with pytest.raises(CacheCorrupt, match="wrote 3 bytes"):
+        store.fill(b"short.bin", attr_of(20), lambda out: os.write(out, b"abc"))
+    assert store.lookup(b"short.bin") is None
+
+
+def test_a_fill_replaces_chunks_and_older_versions(open_store, tmp_path):
+    store = open_store()
+    old = os.urandom(2 * CHUNK_BYTES + 1)
+    assert store.store_chunk(b"shard", attr_of(len(old)), 0, old[:CHUNK_BYTES])  # partial
+    new = os.urandom(3000)
+    (tmp_path / "new").write_bytes(new)
+    dropped = []
+    store.on_dropped = lambda key, version: dropped.append(version)
+    assert store.fill(b"shard", attr_of(len(new), mtime_ns=2), _copy_of(str(tmp_path / "new")))
+    assert read_file(store, "shard") == new
+    assert dropped == [Version(len(old), 1)]
+    assert store.check(fix=False, verify_data=True).problems == 0
+
+
+def test_a_fill_respects_admission_and_budget(open_store, tmp_path):
+    (tmp_path / "big").write_bytes(os.urandom(3 * 2**20))
+    store = open_store(capacity=2 * 2**20)
+    assert not store.fill(b"big", attr_of(3 * 2**20), _copy_of(str(tmp_path / "big")))
+    assert store.lookup(b"big") is None
+    store.close()
+    store = open_store(fraction=0.0)
+    assert not store.fill(b"x", attr_of(10), lambda out: os.write(out, b"0123456789"))

@@ -308,7 +308,7 @@ class MirrorFS:
             raise OSError(errno.EISDIR if node.attr.is_dir else errno.EACCES, node.relpath)
         started = time.perf_counter()
         attr = self.tree.attrs.get(node.relpath)
-        if not attr.is_file or attr.version != node.attr.version:
+        if not attr.is_file or not attr.same_version(node.attr):
             # The kernel looks the name up again (finding the new version) and retries.
             raise OSError(errno.ESTALE, f"{node.relpath} changed on the remote")
         reply = self._open_passthrough(node, attr) if self.passthrough \

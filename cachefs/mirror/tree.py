@@ -10,18 +10,22 @@ The question every open asks is "which local file holds these bytes?"
   1. the cache's own file, when the file is wholly cached (verified before its first
      hand-over, see store.py);
   2. a memory file the prefetcher staged (files the cache does not keep);
-  3. for a miss of a small file (one chunk), a fetch of the whole file first (one remote
-     read, or in a cluster one request to the file's owner): into the cache when the file
-     is admitted, else into a memory file;
-  4. otherwise (a large file not wholly cached) no single local file: the file is read
+  3. for any other miss, where the kernel reads backing files (passthrough) and the
+     settings let it read the remote: the remote's own file, opened and checked here, for
+     the kernel to read; a file the cache keeps is copied into it beside the reader, by the
+     kernel (remote/handover.py).  The daemon moves none of its bytes;
+  4. otherwise, for a miss of a small file (one chunk), a fetch of the whole file first
+     (one remote read, or in a cluster one request to the file's owner): into the cache
+     when the file is admitted, else into a memory file;
+  5. otherwise (a large file not wholly cached) no single local file: the file is read
      chunk by chunk through :meth:`CachedTree.read`, from the cache where chunks are
      stored and from the remote for the rest (admitted chunks are stored on the way; a
      read-ahead for sequential readers; just the bytes asked for otherwise, so random
      reads into large uncached files cost what they would cost on the remote itself).
 
-A local file is handed over whole: to the kernel (FUSE passthrough, or read by the
-adapter where the kernel has none) or to a fast-path client over the control socket.
-Either way the bytes are counted when the file is handed over.
+A file is handed over whole: to the kernel (FUSE passthrough, or read by the adapter where
+the kernel has none) or to a fast-path client over the control socket.  Either way the
+bytes are counted when the file is handed over.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from cachefs.prefetch.prefetcher import Prefetcher
 from cachefs.prefetch.staging import memory_file
 from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
+from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.remote import Remote, RemoteFile
 from cachefs.store.index import FileRecord
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_span
@@ -62,7 +67,8 @@ class Located:
     ``kind``: "cache" (``fd`` is the cache's own file of this version: the caller may keep
     it for later opens, see ``held`` of :meth:`CachedTree.locate`), "held" (the caller's
     kept descriptor is still good), "memory" (``fd`` is a memory file of this open's own),
-    or "chunks" (no single local file: read through ``handle``).
+    "remote" (``fd`` is the remote's own file, this open's own: only where the kernel reads
+    it), or "chunks" (no single local file: read through ``handle``).
     """
 
     kind: str
@@ -106,6 +112,7 @@ class CachedTree:
         fetcher: Fetcher,
         metrics: Metrics,
         prefetcher: Prefetcher | None = None,
+        remote_files: RemoteFiles | None = None,
         control_target: str | None = None,
     ) -> None:
         self.remote = remote
@@ -114,6 +121,7 @@ class CachedTree:
         self.fetcher = fetcher
         self.metrics = metrics
         self.prefetcher = prefetcher
+        self.remote_files = remote_files
         self.control_target = control_target
         self._handles: dict[int, OpenFile] = {}
         self._next_handle = itertools.count(1)
@@ -156,7 +164,10 @@ class CachedTree:
         prefetched = None
         if self.prefetcher is not None:
             prefetched = self.prefetcher.on_open(relpath, attr, self.remote.timeout_seconds)
-        record = self.store.lookup(key)
+        admission = self.store.admission
+        eligible = admission.eligible(relpath)
+        # A file the cache would not keep is not in it: no index lookup for it.
+        record = self.store.lookup(key) if eligible or admission.holds_others else None
         if record is not None and record.version != attr.version:
             log.info("%s changed on the remote: cached copy dropped", relpath)
             self.store.drop(key)
@@ -165,17 +176,25 @@ class CachedTree:
         if prefetched is not None and prefetched.into_cache:
             cache_result, cache_source = "prefetched", "prefetch"
         if prefetched is not None and prefetched.staged is not None:
-            found = Located("memory", "prefetched", "prefetch", fd=prefetched.staged)
+            found = Located(prefetched.staged_kind, "prefetched", "prefetch",
+                            fd=prefetched.staged)
         elif attr.size == 0:  # no bytes to fetch: always whole in the cache
             found = Located("memory", cache_result, cache_source, fd=memory_file(relpath, b""))
         elif record is not None and self.store.is_complete(record):
             found = self._cached(relpath, key, attr, record, held, cache_result, cache_source)
         else:
             found = None
+        if found is None and self._hands_over(relpath, key, attr, record):
+            # The kernel reads the remote's own file (its reads are bounded by the NFS
+            # mount's options, not --remote-timeout; README, "Where the bytes of a read come
+            # from"), and copies a kept file into the cache beside the reader.  So may a
+            # fast-path reader.
+            found = self._hand_over(relpath, key, attr, admit=eligible and self.store.admitting,
+                                    underway=prefetched is not None and prefetched.underway)
         if not fetch and (found is None or found.kind == "chunks"):
             return None
         if found is None:
-            found = self._miss(relpath, key, attr)
+            found = self._miss(relpath, key, attr, admit=eligible and self.store.admitting)
         self.count_open(found.result, found.source, 0 if found.kind == "chunks" else attr.size)
         return found
 
@@ -203,13 +222,31 @@ class CachedTree:
             return Located("chunks", result, source, handle=handle)
         return None  # dropped as damaged: fetched again
 
-    def _miss(self, relpath: str, key: bytes, attr: Attr) -> Located:
-        # A file the cache does not keep is not handed to the kernel as the remote's own
-        # file either, though passthrough could read it there: its reads would then wait
-        # on the remote unbounded by --remote-timeout, and a file rewritten in place while
-        # read would mix versions.  Fetched here, it costs a copy (measured: about 100 us
-        # more per 64 KiB file; see bench/README.md).
-        admit = self.store.admitting and self.store.admission.eligible(relpath)
+    def _hands_over(self, relpath: str, key: bytes, attr: Attr, record: FileRecord | None
+                    ) -> bool:
+        """Whether a miss is answered with the remote's own file: where the kernel reads
+        it, for a file neither partly cached (a large one with a damaged chunk, say: read
+        chunk by chunk, the cached chunks from the cache) nor owned by another node."""
+        remote_files = self.remote_files
+        if remote_files is None or not remote_files.enabled:
+            return False
+        if record is not None:  # it may have been dropped since (a damaged file)
+            record = self.store.lookup(key)
+            if record is not None and record.version == attr.version \
+                    and record.stored_chunks > 0:
+                return False
+        return not self.fetcher.origin.from_peer(relpath)
+
+    def _hand_over(self, relpath: str, key: bytes, attr: Attr, *, admit: bool,
+                   underway: bool) -> Located:
+        fd, shared = self.remote_files.open_for_reader(relpath, key, attr, keep=admit)
+        if shared and underway:  # a prefetch's copy opened it: its pages are coming
+            return Located("remote", "prefetched", "prefetch", fd=fd)
+        return Located("remote", "miss", "remote", fd=fd)
+
+    def _miss(self, relpath: str, key: bytes, attr: Attr, *, admit: bool) -> Located:
+        """A miss the daemon fetches itself: whole into the cache or a memory file (small
+        files), or chunk by chunk as it is read (large ones)."""
         if attr.size > WHOLE_FETCH_BYTES:
             return Located("chunks", "miss", "remote",
                            handle=self._handle(relpath, key, attr, self.store.lookup(key)))

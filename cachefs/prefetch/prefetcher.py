@@ -3,8 +3,13 @@
 The training loop's sampler knows the next batches; the client sends their
 paths as hints.  Workers here (``--prefetch-concurrency``, tens, as NFS wants
 many requests in flight) fetch each hinted file that is not cached yet: into
-the cache when it is admitted, otherwise into the memory-bounded staging area,
-from which one reader takes it.  Either way the reader finds it local.
+the cache when it is admitted, otherwise into the bounded staging area, from
+which one reader takes it.  Either way the reader waits for no remote round
+trip.  Where the kernel reads the remote itself (remote/handover.py), a kept
+file is copied into the cache by the kernel and a file not kept is staged as
+its open remote file, its pages read ahead by the kernel: the bytes never pass
+through the daemon, and a reader arriving while a file is being copied is
+handed the copy's open file at once rather than waiting for it.
 
 Hints are advisory and come from any local user, so each is checked
 (paths.py), the queue is bounded, a hint is counted exactly once by what became
@@ -32,6 +37,7 @@ from cachefs.prefetch.paths import Caller, normalize, resolve, searchable_direct
 from cachefs.prefetch.staging import StagingArea, memory_file
 from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
+from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.remote import Remote
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
 
@@ -117,8 +123,10 @@ class _Active:
 class Prefetched:
     """What a reader opening a file finds already fetched for it."""
 
-    staged: int | None = None     # a memory file of the whole file, now the reader's
+    staged: int | None = None     # a descriptor of the whole file, now the reader's
+    staged_kind: str = "memory"   # what it is: a memory file, or the remote's own file
     into_cache: bool = False      # prefetched into the cache and not read since
+    underway: bool = False        # being copied into the cache by the kernel right now
 
 
 class Prefetcher:
@@ -130,10 +138,11 @@ class Prefetcher:
 
     def __init__(self, *, mountpoint: str, store: CacheStore, fetcher: Fetcher, remote: Remote,
                  attrs: AttrCache, staging: StagingArea, metrics: Metrics,
-                 concurrency: int) -> None:
+                 concurrency: int, remote_files: RemoteFiles | None = None) -> None:
         self.mountpoint = mountpoint
         self.store = store
         self.fetcher = fetcher
+        self.remote_files = remote_files
         self.remote = remote
         self.attrs = attrs
         self._memory = _MemoryOnly(attrs)  # what hint intake may consult (_known_cached)
@@ -210,6 +219,11 @@ class Prefetcher:
         if into_cache:
             self._outcome["used"].inc()
             return Prefetched(into_cache=True)
+        if active is not None and self._hands_over(relpath):
+            # The kernel is copying it, or staging it: no waiting (a reader never waits
+            # for a copy); the reader is handed the prefetch's open remote file, or its own.
+            taken = self._take_staged(relpath, attr)
+            return taken if taken.staged is not None else Prefetched(underway=True)
         # A file whose bytes are on the way: wait for them rather than read them a second
         # time.  (A large file is not waited for as a whole: its chunks are shared with
         # the reader one by one through the fetcher.)  If the prefetch fails or is slow,
@@ -229,11 +243,17 @@ class Prefetcher:
 
     def _take_staged(self, relpath: str, attr: Attr) -> Prefetched:
         if relpath in self.staging:
-            staged = self.staging.take(relpath, attr.version)
-            if staged is not None:
+            taken = self.staging.take(relpath, attr.version)
+            if taken is not None:
                 self._outcome["used"].inc()
-                return Prefetched(staged=staged)
+                return Prefetched(staged=taken.fd, staged_kind=taken.kind)
         return Prefetched()
+
+    def _hands_over(self, relpath: str) -> bool:
+        """Whether the kernel reads and copies this file from the remote itself (a file an
+        other node owns in a cluster comes through that node instead)."""
+        return self.remote_files is not None and self.remote_files.enabled \
+            and not self.fetcher.origin.from_peer(relpath)
 
     # -- warm (synchronous) ---------------------------------------------------------------
 
@@ -364,6 +384,9 @@ class Prefetcher:
             and self.store.is_complete(record)
 
     def _fetch_into_cache(self, relpath: str, key: bytes, attr: Attr) -> None:
+        if self._hands_over(relpath):
+            self.remote_files.fill_now(relpath, key, attr)
+            return
         record = self.store.lookup(key)
         for number in range(chunk_count(attr.size)):
             if record is not None and record.version == attr.version \
@@ -374,8 +397,12 @@ class Prefetcher:
     def _fetch_into_staging(self, relpath: str, attr: Attr) -> None:
         if not self.staging.reserve(attr.size, STAGING_WAIT_SECONDS):
             raise CachefsError("no room in the staging area")
+        kind = "remote" if self._hands_over(relpath) else "memory"
         try:
-            fd = memory_file(relpath, self.fetcher.origin.read_file(relpath, attr).data)
+            if kind == "remote":
+                fd = self.remote_files.open_ahead(relpath, attr)
+            else:
+                fd = memory_file(relpath, self.fetcher.origin.read_file(relpath, attr).data)
         except BaseException:
             self.staging.release(attr.size)
             raise
@@ -383,7 +410,7 @@ class Prefetcher:
             active = self._active[relpath]
             active.staged_for, active.staged_version = active.extra_hints, attr.version
         self.staging.put(relpath, attr.version, fd, attr.size, reserved=attr.size,
-                         readers=1 + active.staged_for)
+                         readers=1 + active.staged_for, kind=kind)
 
     def _maintain_locked(self) -> None:
         """Now and then: count prefetches nobody read as wasted."""

@@ -1,12 +1,16 @@
-"""Prefetched files that the cache does not keep, held in memory until read once.
+"""Prefetched files that the cache does not keep, held until read once.
 
 A hint for a file outside the admitted fraction (or arriving when the cache is
 full) is still worth fetching ahead: the reader then waits for memory instead
-of the remote.  The bytes wait here, in an anonymous memory file (memfd) each,
-within a fixed memory budget, until a reader opens the file; that reader takes
-the memfd (the kernel reads it directly, or the fast path hands it over) and it
-leaves the area.  A file hinted again before it was read (the end of one epoch
-and the start of the next can name the same file) waits for as many readers as
+of the remote.  What waits here is a descriptor per file, until a reader opens
+the file; that reader takes the descriptor (the kernel reads it, or the fast
+path hands it over) and it leaves the area.  Where the kernel reads the remote
+itself, the descriptor is the remote's own open file, whose pages the kernel
+reads ahead meanwhile; otherwise an anonymous memory file (memfd) holding the
+bytes.  Either way the area holds at most ``capacity_bytes`` of files (memory
+of the daemon's, or pages read ahead in the kernel's cache) and ``max_files``
+descriptors.  A file hinted again before it was read (the end of one epoch and
+the start of the next can name the same file) waits for as many readers as
 hints.  Files nobody takes within ``ttl_seconds`` are dropped and counted as
 wasted.
 """
@@ -19,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cachefs.attr import Version
 
@@ -44,6 +49,10 @@ def memory_file(name: str, data: bytes) -> int:
     return fd
 
 
+# Descriptors held at most: well inside the daemon's own limit.
+DEFAULT_MAX_FILES = 4096
+
+
 @dataclass
 class _Staged:
     version: Version
@@ -51,6 +60,14 @@ class _Staged:
     size: int
     staged_at: float
     readers: int = 1  # reads still expected, one per hint
+    kind: str = "memory"  # "memory" (a memfd of its bytes) or "remote" (the remote's file)
+
+
+class Taken(NamedTuple):
+    """A staged file's descriptor, now the taker's, and what it is ("memory", "remote")."""
+
+    fd: int
+    kind: str
 
 
 class StagingArea:
@@ -62,13 +79,16 @@ class StagingArea:
     """
 
     def __init__(self, capacity_bytes: int, ttl_seconds: float = 120.0,
-                 on_wasted: Callable[[int], None] = lambda files: None) -> None:
+                 on_wasted: Callable[[int], None] = lambda files: None,
+                 max_files: int = DEFAULT_MAX_FILES) -> None:
         self.capacity_bytes = capacity_bytes
+        self.max_files = max_files
         self.ttl_seconds = ttl_seconds
         self._on_wasted = on_wasted
         self._cond = threading.Condition()
         self._entries: dict[str, _Staged] = {}
         self._used = 0  # staged plus reserved bytes
+        self._files = 0  # staged plus reserved descriptors
 
     @property
     def used_bytes(self) -> int:
@@ -79,30 +99,36 @@ class StagingArea:
         return size <= self.capacity_bytes // 4
 
     def reserve(self, size: int, timeout: float) -> bool:
-        """Wait up to ``timeout`` for room for ``size`` bytes and hold it; False if none came."""
+        """Wait up to ``timeout`` for room for a file of ``size`` bytes and hold it; False if
+        none came."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._used + size > self.capacity_bytes:
+            while not self._room_locked(size):
                 self._expire_locked()
-                if self._used + size <= self.capacity_bytes:
+                if self._room_locked(size):
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
                 self._cond.wait(min(remaining, 1.0))
             self._used += size
+            self._files += 1
             return True
+
+    def _room_locked(self, size: int) -> bool:
+        return self._used + size <= self.capacity_bytes and self._files < self.max_files
 
     def release(self, size: int) -> None:
         """Give back room reserved for a fetch that failed."""
         with self._cond:
             self._used -= size
+            self._files -= 1
             self._cond.notify_all()
 
     def put(self, relpath: str, version: Version, fd: int, size: int, reserved: int,
-            readers: int = 1) -> None:
-        """Stage the memory file ``fd`` (``size`` bytes, owned by the area from now on) in
-        the room reserved for it, for ``readers`` reads."""
+            readers: int = 1, kind: str = "memory") -> None:
+        """Stage ``fd`` (a file of ``size`` bytes, owned by the area from now on; ``kind`` as
+        in :class:`Taken`) in the room reserved for it, for ``readers`` reads."""
         with self._cond:
             self._used += size - reserved
             old = self._entries.pop(relpath, None)
@@ -110,7 +136,7 @@ class StagingArea:
                 self._discard_locked(old)
                 self._on_wasted(1)
             self._entries[relpath] = _Staged(version, fd, size, time.monotonic(),
-                                             min(readers, MAX_READERS))
+                                             min(readers, MAX_READERS), kind)
             self._cond.notify_all()
 
     def add_reader(self, relpath: str, version: Version) -> bool:
@@ -124,7 +150,7 @@ class StagingArea:
             entry.readers = min(entry.readers + 1, MAX_READERS)
             return True
 
-    def take(self, relpath: str, version: Version) -> int | None:
+    def take(self, relpath: str, version: Version) -> Taken | None:
         """A descriptor of this version of the staged file, for the caller to keep; it
         leaves the area with the last expected reader.  None if not staged."""
         with self._cond:
@@ -133,15 +159,16 @@ class StagingArea:
                 return None
             if entry.readers > 1 and entry.version == version:
                 entry.readers -= 1
-                return os.dup(entry.fd)
+                return Taken(os.dup(entry.fd), entry.kind)
             del self._entries[relpath]
             self._used -= entry.size
+            self._files -= 1
             self._cond.notify_all()
         if entry.version != version:
             os.close(entry.fd)
             self._on_wasted(1)
             return None
-        return entry.fd
+        return Taken(entry.fd, entry.kind)
 
     def __contains__(self, relpath: str) -> bool:
         return relpath in self._entries
@@ -158,6 +185,7 @@ class StagingArea:
 
     def _discard_locked(self, entry: _Staged) -> None:
         self._used -= entry.size
+        self._files -= 1
         os.close(entry.fd)
 
     def _expire_locked(self) -> None:

@@ -165,8 +165,17 @@ class Remote:
 
     def open(self, relpath: str, expected: Version) -> RemoteFile:
         """An open remote file for a reader that reads it piecemeal."""
-        fd = self.call(_open_checked, self.path(relpath), expected)
-        return RemoteFile(self, fd, expected)
+        return RemoteFile(self, self.open_file(relpath, expected), expected)
+
+    def open_file(self, relpath: str, expected: Version) -> int:
+        """A descriptor of the remote file, checked to be version ``expected`` (RemoteChanged
+        otherwise); the caller closes it."""
+        return self.call(_open_checked, self.path(relpath), expected)
+
+    def count_read(self, nbytes: int) -> None:
+        """Bytes the kernel reads from the remote on our behalf: a file handed to it, or
+        copied by it into the cache (see handover.py)."""
+        self._on_read_bytes(nbytes)
 
 
 class RemoteFile:

@@ -59,9 +59,11 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         "keep (default 512MiB)")
     parser.add_argument("--allow-other", action="store_true", default=None,
                         help="let other users read the mount (permissions are enforced)")
-    parser.add_argument("--passthrough", help="'auto' (default): the kernel reads local files "
-                        "itself where it can (FUSE passthrough, Linux 6.9+, as root); 'off': "
-                        "the daemon serves every read")
+    parser.add_argument("--passthrough", help="which files the kernel reads itself where it "
+                        "can (FUSE passthrough, Linux 6.9+, as root): 'auto', local files and "
+                        "the remote's own file for a miss; 'local' (default), local files only, "
+                        "every remote byte through the daemon within --remote-timeout; 'off', "
+                        "none, the daemon serves every read")
     parser.add_argument("--runtime-dir", help="directory of the control socket")
     parser.add_argument("--peers", help="a cluster: HOST:PORT of every node, comma-separated, "
                         "or dns:NAME:PORT (a headless Service); each file is cached by one "

@@ -48,9 +48,11 @@ class Settings:
     prefetch_concurrency: int = DEFAULT_PREFETCH_CONCURRENCY
     staging_bytes: int = DEFAULT_STAGING_BYTES
     allow_other: bool = False
-    # "auto": the kernel reads local files itself (FUSE passthrough) where it can; "off":
-    # the daemon serves every read.
-    passthrough: str = "auto"
+    # Which files the kernel reads itself (FUSE passthrough) where it can: "auto", local
+    # files and, for a miss, the remote's own file; "local", local files only (every byte
+    # from the remote through the daemon, bounded by --remote-timeout); "off", none (the
+    # daemon serves every read).
+    passthrough: str = "local"
     log_file: Path | None = None
     runtime_dir: Path | None = None
     # The cluster tier (cachefs/peer): off unless peers are given.
@@ -131,10 +133,13 @@ def _concurrency(value: Any) -> int:
     return number
 
 
+PASSTHROUGH_MODES = ("auto", "local", "off")
+
+
 def _passthrough(value: Any) -> str:
     text = str(value).strip().lower() if isinstance(value, str) else value
-    if text not in ("auto", "off"):
-        raise ValueError(f"{value!r} is neither 'auto' nor 'off'")
+    if text not in PASSTHROUGH_MODES:
+        raise ValueError(f"{value!r} is none of 'auto', 'local' and 'off'")
     return text
 
 

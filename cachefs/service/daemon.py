@@ -24,6 +24,7 @@ from cachefs.errors import CachefsError, UsageError
 from cachefs.kernel.mount import MountOptions
 from cachefs.kernel.session import Connection, Session
 from cachefs.metrics import (
+    FILL_RESULTS,
     HINT_RESULTS,
     PEER_FETCH_RESULTS,
     PREFETCH_RESULTS,
@@ -42,6 +43,7 @@ from cachefs.prefetch.prefetcher import Prefetcher
 from cachefs.prefetch.staging import StagingArea
 from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
+from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.origin import RemoteOrigin
 from cachefs.remote.remote import Remote
 from cachefs.service import sdnotify
@@ -96,6 +98,7 @@ class Daemon:
         self.tree: CachedTree | None = None
         self.prefetcher: Prefetcher | None = None
         self.staging: StagingArea | None = None
+        self.remote_files: RemoteFiles | None = None
         self.fs: MirrorFS | None = None
         self.peer_server: PeerServer | None = None
         self.peer_client: PeerClient | None = None
@@ -148,13 +151,18 @@ class Daemon:
                                      "give --peer-listen a free port on this node") from None
             staging = self.staging = StagingArea(
                 s.staging_bytes, on_wasted=m.prefetch_files.labels("wasted").inc)
+            remote_files = self.remote_files = RemoteFiles(
+                self.remote, store, on_fill=lambda result: m.fills.labels(result).inc())
+            m.bind_gauge(m.fills_under_way, lambda: remote_files.fills_under_way)
             self.prefetcher = Prefetcher(
                 mountpoint=str(s.mountpoint), store=store, fetcher=fetcher, remote=self.remote,
-                attrs=attrs, staging=staging, metrics=m, concurrency=s.prefetch_concurrency)
+                attrs=attrs, staging=staging, metrics=m, concurrency=s.prefetch_concurrency,
+                remote_files=remote_files)
             control_path = socket_path(s)
             self.tree = CachedTree(
                 remote=self.remote, store=store, attrs=attrs, fetcher=fetcher, metrics=m,
-                prefetcher=self.prefetcher, control_target=str(control_path),
+                prefetcher=self.prefetcher, remote_files=remote_files,
+                control_target=str(control_path),
             )
             self.control = ControlServer(
                 control_path,
@@ -203,8 +211,13 @@ class Daemon:
             session.close()
 
     def _on_mounted(self, connection: Connection) -> None:
-        if connection.passthrough:
-            self.data_path = "kernel passthrough: the kernel reads local files itself"
+        if connection.passthrough and self.settings.passthrough == "auto":
+            self.remote_files.enabled = True
+            self.data_path = ("kernel passthrough: the kernel reads local files and, for a "
+                              "miss, the remote's own file itself")
+        elif connection.passthrough:
+            self.data_path = ("kernel passthrough: the kernel reads local files itself; the "
+                              "daemon reads the remote (--passthrough local)")
         else:
             self.data_path = f"served by the daemon: passthrough {connection.passthrough_note}"
         self.metrics.passthrough.set(1 if connection.passthrough else 0)
@@ -216,14 +229,15 @@ class Daemon:
 
     def stop(self) -> None:
         """Release everything :meth:`start` took; safe to call twice or after a failed start."""
-        for part in (self.peer_server, self.control, self.prefetcher, self.peer_client,
-                     self.remote, self.staging):
+        for part in (self.peer_server, self.control, self.prefetcher, self.remote_files,
+                     self.peer_client, self.remote, self.staging):
             if part is not None:
                 part.close()
         self.metrics.close()
         if self.store is not None:
             self.store.close()
         self.control = self.prefetcher = self.remote = self.store = self.staging = None
+        self.remote_files = None
         self.peer_server = self.peer_client = None
 
     # -- status ----------------------------------------------------------------------------
@@ -268,6 +282,7 @@ class Daemon:
             "remote_available": bool(m.value("cachefs_remote_available")),
             "open_files": self.fs.open_files if self.fs else 0,
             "data_path": self.data_path,
+            "remote_handed_over": bool(self.remote_files and self.remote_files.enabled),
             "metrics_url": metrics_url,
             "hints": {r: int(m.value("cachefs_hints_total", result=r)) for r in HINT_RESULTS},
             "prefetch": {
@@ -276,6 +291,10 @@ class Daemon:
                 **(self.prefetcher.figures() if self.prefetcher else {"queued": 0,
                                                                       "inflight": 0}),
                 "staging_bytes": int(m.value("cachefs_staging_bytes")),
+            },
+            "fills": {
+                **{r: int(m.value("cachefs_fills_total", result=r)) for r in FILL_RESULTS},
+                "under_way": self.remote_files.fills_under_way if self.remote_files else 0,
             },
             "cluster": self._cluster_status(),
         }
@@ -328,7 +347,9 @@ class Daemon:
             found = self.tree.locate(relpath, attr, fetch=False)
         except (OSError, CachefsError) as exc:
             return Reply({"ok": False, "error": str(exc) or type(exc).__name__})
-        if found is None:
+        if found is None or (found.kind == "remote" and not descriptor):
+            if found is not None:
+                os.close(found.fd)  # the remote's own file: read through the mount instead
             return Reply({"ok": False, "error": "not local"})
         if descriptor:  # the reply to every cached file: formatted directly
             return Reply(b'{"ok":true,"size":%d,"result":"%s","fd":1}'

@@ -108,10 +108,12 @@ def data_path(settings: Settings) -> str:
     if cap is False:
         return (f"served by the daemon: passthrough needs CAP_SYS_ADMIN, which this user lacks "
                 f"(run as root for it); kernel {release}")
-    return (f"kernel passthrough if the kernel offers it when the mount starts (Linux 6.9 or "
-            f"newer built with CONFIG_FUSE_PASSTHROUGH; this is {release}) and the daemon may "
-            f"register backing files (CAP_SYS_ADMIN: {has_cap}); else served by the daemon. "
-            "The log and 'cachefs status' say which after mounting")
+    files = ("local files and, for a miss, the remote's own file" if settings.passthrough
+             == "auto" else "local files (the daemon reads the remote: --passthrough local)")
+    return (f"kernel passthrough of {files} if the kernel offers it when the mount starts "
+            f"(Linux 6.9 or newer built with CONFIG_FUSE_PASSTHROUGH; this is {release}) and "
+            f"the daemon may register backing files (CAP_SYS_ADMIN: {has_cap}); else served "
+            "by the daemon. The log and 'cachefs status' say which after mounting")
 
 
 def _value_text(key: str, settings: Settings) -> str:

@@ -28,6 +28,10 @@ def _threshold(share: float) -> int:
 class FractionAdmission:
     """Admits the files whose path hash falls below ``fraction``.  Thread safety: immutable."""
 
+    # Whether the cache may hold files it would not admit now (see keeps_cached): if not, a
+    # file it does not admit needs no look in the index.
+    holds_others = False
+
     def __init__(self, fraction: float, seed: int = 0) -> None:
         self.fraction = fraction
         self.seed = seed
@@ -69,6 +73,8 @@ class ClusterAdmission(FractionAdmission):
             others = (n * self.fraction - 1) / (n - 1) if n > 1 else 0.0
             self._bounds = (n, _threshold(n * self.fraction), _threshold(others))
         return self._bounds[1], self._bounds[2]
+
+    holds_others = True
 
     def keeps_cached(self, relpath: str) -> bool:
         """Every file: the node list at start may be partial (DNS lists nodes as they come

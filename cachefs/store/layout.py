@@ -154,17 +154,32 @@ class CacheLayout:
 
     def write_whole(self, key: bytes, data: bytes | memoryview) -> int:
         """Store ``data`` as the whole data file, atomically; returns the bytes allocated."""
-        final = self.data_path(key)
-        # Unique per thread: two fills of one key must not write the same temporary file.
-        tmp = os.path.join(self.tmp_dir, f"{os.path.basename(final)}.{threading.get_ident()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd, tmp = self.create_tmp(key)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
             allocated = allocated_bytes(os.fstat(fd))
-        finally:
+        except BaseException:
             os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
+        self.install_tmp(tmp, key)
+        return allocated
+
+    def create_tmp(self, key: bytes) -> tuple[int, str]:
+        """A new file under tmp/ for the whole data file of ``key``: (descriptor open for
+        reading and writing, its path).  The caller fills it, then installs or discards it."""
+        # Unique per thread: two fills of one key must not write the same temporary file.
+        tmp = os.path.join(self.tmp_dir,
+                           f"{os.path.basename(self.data_path(key))}.{threading.get_ident()}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        return fd, tmp
+
+    def install_tmp(self, tmp: str, key: bytes) -> None:
+        """Rename a filled temporary file into place as the data file of ``key``."""
+        final = self.data_path(key)
         try:
             try:
                 os.replace(tmp, final)
@@ -176,7 +191,10 @@ class CacheLayout:
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        return allocated
+
+    @staticmethod
+    def discard_tmp(tmp: str) -> None:
+        _unlink_quietly(tmp)
 
     def write_at(self, key: bytes, offset: int, data: bytes | memoryview) -> int:
         """Write ``data`` at ``offset`` of a data file written piecemeal (created sparse when

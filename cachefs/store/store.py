@@ -40,10 +40,10 @@ from pathlib import Path
 import xxhash
 
 from cachefs.attr import Attr, Version
-from cachefs.errors import CacheCorrupt
+from cachefs.errors import CacheCorrupt, CacheUnavailable
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.index import CacheIndex, ChunkRecord, FileRecord, chunk_key, data_key, split_key
-from cachefs.store.layout import BLOCK_BYTES, CacheLayout
+from cachefs.store.layout import BLOCK_BYTES, CacheLayout, allocated_bytes
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ INLINE_VERIFY_BYTES = 16 * 2**20
 INDEX_MEASURE_SECONDS = 0.5
 
 _checksum = xxhash.xxh3_64_intdigest
+# What a fill thread reads a copy through to hash it (one buffer per thread, reused).
+HASH_BUFFER_BYTES = 256 * 2**10
+_reading = threading.local()
 
 
 def _indexable(attr: Attr) -> bool:
@@ -370,10 +373,140 @@ class CacheStore:
         is used or the disk refuses writes.  Never raises for a disk problem: the
         reader is served from the remote regardless.
         """
+        need = self._reserve(key, attr, len(data))
+        if not need:
+            return False
+        try:
+            stored = self._write_chunk(key, attr, number, data)
+            self._wrote()
+            return stored
+        except (OSError, sqlite3.Error) as exc:  # the index lives on the same disk
+            self._pause_admission(exc)
+            return False
+        finally:
+            self._unreserve(need)
+
+    def fill(self, key: bytes, attr: Attr, copy: Callable[[int], None]) -> bool:
+        """Store the whole file at ``key`` (version ``attr``), its bytes written by
+        ``copy(fd)`` into a new file: the kernel's copy of the remote's own file (sendfile),
+        no byte of it through Python.  The checksums are then computed over a map of the
+        written file, and only then is it renamed into place and indexed, so a fill that
+        fails or is cut short (a crash) leaves nothing indexed.
+
+        Returns False, storing nothing, when the file is not eligible, does not fit or the
+        disk refuses writes (admission pauses).  What ``copy`` raises otherwise (the remote
+        changed, failed or timed out) is raised after the new file is discarded.
+        """
+        need = self._reserve(key, attr, attr.size)
+        if not need:
+            return False
+        dkey = data_key(key, attr.version)
+        try:
+            try:
+                fd, tmp = self.layout.create_tmp(dkey)
+            except OSError as exc:
+                self._pause_admission(exc)
+                return False
+            try:
+                copy(fd)  # the remote's errors go to the caller
+                checksums = self._checksums_of(fd, attr.size)
+                allocated = allocated_bytes(os.fstat(fd))
+            except CacheUnavailable as exc:  # the copy met the cache disk's refusal
+                self.layout.discard_tmp(tmp)
+                self._pause_admission(exc.__cause__ or OSError(errno.EIO, str(exc)))
+                return False
+            except BaseException:
+                self.layout.discard_tmp(tmp)
+                raise
+            finally:
+                os.close(fd)
+            try:
+                return self._install_fill(key, attr, tmp, dkey, checksums, allocated)
+            except (OSError, sqlite3.Error) as exc:
+                self.layout.discard_tmp(tmp)
+                self._pause_admission(exc)
+                return False
+        finally:
+            self._unreserve(need)
+
+    def _checksums_of(self, fd: int, size: int) -> list[int]:
+        """The checksum of each chunk of the ``size`` bytes the file behind ``fd`` holds (the
+        pages just written), read piecewise into a buffer this thread reuses.  (A map of the
+        file would copy nothing, but costs three times as much for a 64 KiB file: the map,
+        its page faults and the unmap, which must reach every core a thread of the daemon
+        runs on.)"""
+        written = os.fstat(fd).st_size
+        if written != size:  # the copier's fault, not the disk's: no pause
+            raise CacheCorrupt(f"the copy wrote {written} bytes, not {size}")
+        buffer = getattr(_reading, "buffer", None)
+        if buffer is None:
+            buffer = _reading.buffer = memoryview(bytearray(HASH_BUFFER_BYTES))
+        checksums = []
+        for number in range(chunk_count(size)):
+            offset, length = chunk_span(size, number)
+            if length <= HASH_BUFFER_BYTES:
+                got = os.preadv(fd, [buffer[:length]], offset)
+                if got != length:
+                    raise CacheCorrupt(f"the copy holds {got} bytes of chunk {number}")
+                checksums.append(_checksum(buffer[:length]))
+                continue
+            hasher = xxhash.xxh3_64()
+            end = offset + length
+            while offset < end:
+                got = os.preadv(fd, [buffer[:min(HASH_BUFFER_BYTES, end - offset)]], offset)
+                if got <= 0:
+                    raise CacheCorrupt(f"the copy ends inside chunk {number}")
+                hasher.update(buffer[:got])
+                offset += got
+            checksums.append(hasher.intdigest())
+        return checksums
+
+    def _install_fill(self, key: bytes, attr: Attr, tmp: str, dkey: bytes,
+                      checksums: list[int], allocated: int) -> bool:
+        """Rename a filled file into place and index it whole, replacing any other version
+        or partial fill of it; True when the file is now cached.  The rename and the stats
+        happen outside the lock: fills of other files go on meanwhile (one fill per file
+        version at a time is the caller's to see to)."""
+        replaced = None
+        with self._lock:
+            record = self.index.get_file(key)
+            if record is not None and record.version == attr.version \
+                    and self.is_complete(record):
+                self.layout.discard_tmp(tmp)  # another fill was first
+                return True
+            if record is not None:  # another version, or chunks of this one: replaced whole
+                self._drop_locked(key, record)
+                if record.version != attr.version:
+                    replaced = record
+        self.layout.install_tmp(tmp, dkey)
+        # The bytes were hashed as they lie on the disk: verified for the first hand-over.
+        identity = _identity(os.stat(self.layout.data_path(dkey)))
+        fan, fan_bytes = self.layout.fan_dir_bytes_of(dkey)
+        single = len(checksums) == 1
+        with self._lock:
+            if not single:
+                for number, checksum in enumerate(checksums):
+                    self.index.put_chunk(chunk_key(key, number),
+                                         ChunkRecord(checksum, chunk_span(attr.size, number)[1]))
+            self.index.put_file(key, FileRecord(attr, len(checksums),
+                                                checksums[0] if single else 0))
+            self._complete_files += 1
+            self._data_bytes += allocated
+            self._verified[key] = (attr.version, identity)
+            self._fan_bytes[fan] = fan_bytes
+            self._measure_index_locked()
+        if replaced is not None:
+            self.on_dropped(key, replaced.version)
+        self._wrote()
+        return True
+
+    def _reserve(self, key: bytes, attr: Attr, size: int) -> int:
+        """Hold room for ``size`` more bytes of the file at ``key``: the bytes held (0 when
+        the file is not admitted, not indexable, or does not fit; nothing is held then)."""
         if not self.admitting or not self.admission.eligible(os.fsdecode(key)) \
                 or not _indexable(attr):
-            return False
-        need = -(-len(data) // BLOCK_BYTES) * BLOCK_BYTES + FILL_HEADROOM_BYTES
+            return 0
+        need = -(-size // BLOCK_BYTES) * BLOCK_BYTES + FILL_HEADROOM_BYTES
         with self._lock:
             if self._used_locked() + self._reserved_bytes + need + INDEX_HEADROOM_BYTES \
                     > self.capacity_bytes:
@@ -381,19 +514,18 @@ class CacheStore:
                     self._full = True
                     log.info("cache is full (%d of %d bytes): admission stopped; "
                              "nothing is evicted", self._used_locked(), self.capacity_bytes)
-                return False
+                return 0
             self._reserved_bytes += need
-        try:
-            stored = self._write_chunk(key, attr, number, data)
-            if self._write_error is not None:
-                self.clear_write_error()  # the pause is over and the disk took a write
-            return stored
-        except (OSError, sqlite3.Error) as exc:  # the index lives on the same disk
-            self._pause_admission(exc)
-            return False
-        finally:
-            with self._lock:
-                self._reserved_bytes -= need
+        return need
+
+    def _unreserve(self, need: int) -> None:
+        with self._lock:
+            self._reserved_bytes -= need
+
+    def _wrote(self) -> None:
+        """A write went through: a pause after a write error is over."""
+        if self._write_error is not None:
+            self.clear_write_error()
 
     def _write_chunk(self, key: bytes, attr: Attr, number: int, data: bytes) -> bool:
         checksum = _checksum(data)

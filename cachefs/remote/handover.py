@@ -1,0 +1,232 @@
+"""The remote's own file handed to the kernel for a reader, and copied into the cache by the
+kernel: a miss costs the daemon an open, not its bytes.
+
+With FUSE passthrough the kernel takes any file as the backing of an open, the remote's own
+(an NFS file) included.  So a miss is answered with a descriptor of the remote file, opened
+here and checked to be the version the kernel looked up (bounded by --remote-timeout, like
+every call the daemon makes on the remote), and the reader's reads go from the kernel to the
+NFS client.  A file the cache keeps is copied into the cache beside the reader, by the
+kernel too: ``sendfile`` from the same open remote file, so that a page the reader pulled and
+a page the copy pulled are fetched from the server once and shared through the remote file's
+page cache.  The store then computes the checksums over a map of the copy, checks the
+version again, renames it into place and indexes it (store.py ``fill``).
+
+Fills run on threads of their own, never on a reader's: a reader never waits for a copy.
+There is one fill per file version at a time, and a reader arriving while a file is being
+filled is handed the fill's own open file (one open on the remote, one fetch of its pages).
+A fill that cannot be queued (too many waiting) is skipped: the file is filled at a later
+open.
+
+Thread safety: ``_lock`` guards ``_fills``, each fill's ``fd`` and ``_queued`` (a leaf lock,
+never held across a call on the remote).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from cachefs import remotewait
+from cachefs.attr import Attr, Version
+from cachefs.errors import CachefsError, CacheUnavailable, RemoteChanged
+from cachefs.remote.remote import Remote
+from cachefs.store.store import CacheStore
+
+log = logging.getLogger(__name__)
+
+# Fills under way at once.  A fill mostly waits (on the remote's pages, on the cache disk),
+# outside the interpreter lock: enough to keep a remote's latency covered.
+FILL_THREADS = 8
+# Fills waiting for a thread; past this a file is filled at a later open instead.
+MAX_QUEUED_FILLS = 4096
+# Errors of a copy that are the cache disk's, not the remote's.
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
+@dataclass(eq=False)
+class _Fill:
+    """One file version being filled.  ``fd`` is its open remote file (-1 until opened, and
+    once done), shared with the readers who arrive meanwhile."""
+
+    relpath: str
+    key: bytes
+    attr: Attr
+    fd: int = -1
+    done: threading.Event = field(default_factory=threading.Event)
+    # Its bytes are counted as read from the remote already (a reader's, whose pages the
+    # copy shares); else the copy counts them.
+    counted: bool = False
+
+
+class RemoteFiles:
+    """Remote files opened for the kernel, and their fills.  ``enabled`` is set once the
+    mount knows the kernel accepts backing files and the settings let it read the remote."""
+
+    def __init__(self, remote: Remote, store: CacheStore, *,
+                 on_fill=lambda result: None) -> None:
+        self.enabled = False
+        self._remote = remote
+        self._store = store
+        self._on_fill = on_fill
+        self._lock = threading.Lock()
+        self._fills: dict[tuple[bytes, Version], _Fill] = {}
+        self._queue: queue.SimpleQueue[_Fill | None] = queue.SimpleQueue()
+        self._queued = 0
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(None)
+
+    # -- for a reader ------------------------------------------------------------------------
+
+    def open_for_reader(self, relpath: str, key: bytes, attr: Attr, *, keep: bool
+                        ) -> tuple[int, bool]:
+        """A descriptor of the remote's file, version ``attr``, for a reader (the caller's to
+        close), and whether it is the open file of a fill under way (whose pages are being
+        fetched already).  With ``keep`` the file is also filled into the cache, in the
+        background."""
+        ident = (key, attr.version)
+        with self._lock:
+            fill = self._fills.get(ident)
+            if fill is not None and fill.fd >= 0:
+                return os.dup(fill.fd), True
+        fd = self._remote.open_file(relpath, attr.version)
+        self._remote.count_read(attr.size)
+        if keep and fill is None:
+            self._queue_fill(relpath, key, attr, fd)
+        return fd, False
+
+    def open_ahead(self, relpath: str, attr: Attr) -> int:
+        """A descriptor of the remote's file for a reader to come, its pages being read
+        ahead by the kernel meanwhile (the caller's to close)."""
+        fd = self._remote.open_file(relpath, attr.version)
+        try:
+            self._remote.call(os.posix_fadvise, fd, 0, attr.size, os.POSIX_FADV_WILLNEED)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._remote.count_read(attr.size)
+        return fd
+
+    # -- fills -------------------------------------------------------------------------------
+
+    def fill_now(self, relpath: str, key: bytes, attr: Attr) -> None:
+        """Fill on this thread (a prefetch, a warm): open the remote file, copy it in.  When
+        the file is being filled already, wait for that fill.  Raises what the remote raises;
+        whether the file got in, the store says."""
+        ident = (key, attr.version)
+        with self._lock:
+            fill = self._fills.get(ident)
+            mine = fill is None
+            if mine:
+                fill = self._fills[ident] = _Fill(relpath, key, attr)
+        if not mine:
+            self._wait(fill)
+            return
+        try:
+            fd = self._remote.open_file(relpath, attr.version)
+            with self._lock:
+                fill.fd = fd
+            self._fill(fill)
+        finally:
+            self._finish(fill)
+
+    def _wait(self, fill: _Fill) -> None:
+        with remotewait.waiting(remote_call=False):
+            fill.done.wait(self._remote.timeout_seconds + 1.0)
+
+    def _queue_fill(self, relpath: str, key: bytes, attr: Attr, reader_fd: int) -> None:
+        ident = (key, attr.version)
+        with self._lock:
+            if ident in self._fills or self._closed:
+                return
+            skipped = self._queued >= MAX_QUEUED_FILLS
+            if not skipped:
+                fill = self._fills[ident] = _Fill(relpath, key, attr, os.dup(reader_fd),
+                                                  counted=True)
+                self._queued += 1
+                thread = None
+                if len(self._threads) < FILL_THREADS:  # started as fills first come
+                    thread = threading.Thread(target=self._work, name="fill", daemon=True)
+                    self._threads.append(thread)
+        if skipped:
+            self._on_fill("skipped")
+            return
+        self._queue.put(fill)
+        if thread is not None:
+            thread.start()
+
+    def _work(self) -> None:
+        while (fill := self._queue.get()) is not None:
+            with self._lock:
+                self._queued -= 1
+            try:
+                self._fill(fill)
+            except (OSError, CachefsError) as exc:
+                log.debug("fill of %s failed: %s", fill.relpath, exc)
+            except Exception:
+                log.exception("fill of %s failed unexpectedly", fill.relpath)
+            finally:
+                self._finish(fill)
+
+    def _fill(self, fill: _Fill) -> None:
+        try:
+            stored = self._store.fill(fill.key, fill.attr, lambda out: self._copy(fill, out))
+        except RemoteChanged:
+            self._on_fill("changed")
+            raise
+        except BaseException:
+            self._on_fill("failed")
+            raise
+        self._on_fill("stored" if stored else "not_stored")
+
+    def _copy(self, fill: _Fill, out: int) -> None:
+        if not fill.counted:
+            self._remote.count_read(fill.attr.size)
+        self._remote.call(_send_checked, fill.fd, out, fill.attr.version)
+
+    def _finish(self, fill: _Fill) -> None:
+        with self._lock:
+            if self._fills.get((fill.key, fill.attr.version)) is fill:
+                del self._fills[(fill.key, fill.attr.version)]
+            fd, fill.fd = fill.fd, -1
+        if fd >= 0:
+            os.close(fd)
+        fill.done.set()
+
+    @property
+    def fills_under_way(self) -> int:
+        return len(self._fills)
+
+
+def _send_checked(src: int, out: int, version: Version) -> None:
+    """Copy the whole remote file ``src`` into ``out`` in the kernel; RemoteChanged unless it
+    is version ``version`` before and after (so no mix of two versions is ever stored)."""
+    _check_version(src, version)
+    offset = 0
+    while offset < version.size:
+        try:
+            sent = os.sendfile(out, src, offset, version.size - offset)
+        except OSError as exc:
+            if exc.errno in _DISK_ERRNOS:
+                raise CacheUnavailable(f"writing the copy: {exc.strerror}") from exc
+            raise
+        if sent == 0:
+            raise RemoteChanged("the file is shorter than its attributes say")
+        offset += sent
+    _check_version(src, version)
+
+
+def _check_version(fd: int, version: Version) -> None:
+    st = os.fstat(fd)
+    if (st.st_size, st.st_mtime_ns) != version:
+        raise RemoteChanged("the file changed on the remote while being copied")

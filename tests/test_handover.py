@@ -1,0 +1,260 @@
+"""Misses through the kernel (``--passthrough auto``): an open of a file the cache does not
+hold is answered with the remote's own file, which the kernel reads for the reader, and a
+file the cache keeps is copied into it by the kernel beside the reader.  What a reader and an
+operator see: the remote's bytes for every kind of reader, no READ through the daemon, each
+kept file read from the remote once, nothing partial or mixed ever indexed (a remote rewritten
+during a fill, a daemon killed during one), and the strict switch (``--passthrough local``)
+bounding every read by ``--remote-timeout``."""
+
+from __future__ import annotations
+
+import errno
+import io
+import mmap
+import os
+import random
+import signal
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachefs.attr import Version
+from cachefs.store.index import data_key
+from cachefs.store.layout import CacheLayout
+from cachefs.store.store import CHUNK_BYTES
+from tests.conftest import errno_of, read_bounded, run_cachefs, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+KERNEL = {"passthrough": "auto"}
+
+
+def _whole(path: Path) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def _pread_backwards(path: Path) -> bytes:
+    """Random access: 64 KiB preads from the end of the file to its start."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        pieces = []
+        for offset in range(((size - 1) // 65536) * 65536, -1, -65536):
+            pieces.append(os.pread(fd, 65536, offset))
+        return b"".join(reversed(pieces))
+    finally:
+        os.close(fd)
+
+
+def _mmap(path: Path) -> bytes:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as view:
+        return bytes(view)
+
+
+def _o_direct(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buffer = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT wants
+        out = bytearray()
+        while n := os.readv(fd, [buffer]):
+            out += buffer[:n]
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+def _numpy(path: Path) -> bytes:
+    return np.memmap(path, dtype=np.uint8, mode="r").tobytes()
+
+
+READERS = {"read": _whole, "pread": _pread_backwards, "mmap": _mmap, "o_direct": _o_direct,
+           "numpy": _numpy}
+
+
+def _dataset(source: Path, seed: int) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    files = {"small.bin": rng.randbytes(70_000), "large.bin": rng.randbytes(9 * 2**20 + 5)}
+    for rel, data in files.items():
+        (source / rel).write_bytes(data)
+    return files
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("reader", sorted(READERS))
+@pytest.mark.parametrize("fraction", [1.0, 0.0], ids=["kept", "not-kept"])
+def test_every_reader_gets_the_remote_bytes_and_the_daemon_moves_none(
+        source, remote, mount_cachefs, reader, fraction):
+    files = _dataset(source, seed=len(reader))
+    mount = mount_cachefs(remote.path, fraction=fraction, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files: misses go through the daemon")
+    read_before = remote.stats()["read_bytes"]
+    for rel, data in files.items():
+        assert READERS[reader](mount.path / rel) == data, rel
+    mount.settle()
+    assert mount.metric("cachefs_served_reads_total") == 0  # the kernel read every byte
+    assert mount.metric("cachefs_file_opens_total", result="miss") == len(files)
+    if fraction:
+        assert mount.metric("cachefs_fills_total", result="stored") == len(files)
+        assert mount.status()["cache_files"] == len(files)
+        for rel, data in files.items():  # the copy is the remote's bytes, and is served
+            assert _cached_bytes(mount, source, rel) == data
+            assert READERS[reader](mount.path / rel) == data
+        assert mount.metric("cachefs_file_opens_total", result="hit") == len(files)
+    else:
+        assert mount.status()["cache_files"] == 0
+    if reader != "o_direct":  # O_DIRECT bypasses the NFS client's pages, as it does on NFS
+        # The reader and the copy shared the remote file's pages: read from it once.
+        assert remote.stats()["read_bytes"] - read_before == sum(map(len, files.values()))
+    assert mount.metric("cachefs_remote_read_bytes_total") == sum(map(len, files.values()))
+
+
+def _cached_bytes(mount, source: Path, rel: str) -> bytes:
+    st = os.stat(source / rel)
+    layout = CacheLayout(mount.cache_dir, CHUNK_BYTES)
+    key = data_key(os.fsencode(rel), Version(st.st_size, st.st_mtime_ns))
+    return Path(layout.data_path(key)).read_bytes()
+
+
+def test_a_tar_shard_read_with_tarfile_through_the_kernel(source, remote, mount_cachefs):
+    """A real library reading a shard at random offsets (tarfile seeks to each member)."""
+    rng = random.Random(7)
+    members = {f"img{i:03d}.jpg": rng.randbytes(rng.randint(1000, 200_000)) for i in range(60)}
+    with tarfile.open(source / "shard.tar", "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    mount = mount_cachefs(remote.path, fraction=1.0, **KERNEL)
+    for _ in range(2):  # through the remote's file, then through the cache's copy
+        with tarfile.open(mount.path / "shard.tar") as tar:
+            names = list(members)
+            random.Random(1).shuffle(names)
+            for name in names:
+                assert tar.extractfile(name).read() == members[name]
+        mount.settle()
+    assert mount.status()["cache_files"] == 1
+
+
+def test_hinted_misses_are_staged_as_open_remote_files(source, remote, mount_cachefs):
+    """Not kept and hinted: the remote file is opened and read ahead by the kernel before the
+    reader comes; the reader's open takes it (counted prefetched), no byte through Python."""
+    from cachefs_client import send_hints
+
+    rng = random.Random(3)
+    files = {f"d/f{i}.bin": rng.randbytes(50_000) for i in range(20)}
+    (source / "d").mkdir()
+    for rel, data in files.items():
+        (source / rel).write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    assert send_hints([mount.path / rel for rel in files]) == len(files)
+    wait_for(lambda: mount.status()["prefetch"]["staging_bytes"] == 50_000 * len(files),
+             what="every hinted file staged")
+    read_before = remote.stats()["read_bytes"]
+    for rel, data in files.items():
+        assert _whole(mount.path / rel) == data
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == len(files)
+    assert mount.metric("cachefs_served_reads_total") == 0
+    # The pages were read ahead into the remote file's cache: the reads found them there.
+    assert remote.stats()["read_bytes"] == read_before
+    assert mount.status()["prefetch"]["staging_bytes"] == 0
+
+
+def test_a_remote_rewritten_during_a_fill_is_never_cached(source, remote, mount_cachefs):
+    rng = random.Random(11)
+    old, new = rng.randbytes(24 * 2**20), rng.randbytes(24 * 2**20)
+    (source / "shard.bin").write_bytes(old)
+    mount = mount_cachefs(remote.path, fraction=1.0, revalidate=1, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    remote.configure(bandwidth_mbps=20)  # a fill of 24 MiB takes about a second
+    with open(mount.path / "shard.bin", "rb", buffering=0) as f:
+        assert f.read(65536) == old[:65536]
+        wait_for(lambda: os.listdir(mount.cache_dir / "tmp"), what="the fill under way")
+        with open(source / "shard.bin", "r+b") as w:  # in place: same inode, new bytes
+            w.write(new)
+    remote.configure(bandwidth_mbps=0)
+    mount.settle()
+    assert mount.metric("cachefs_fills_total", result="changed") == 1
+    assert mount.status()["cache_files"] == 0
+    assert not os.listdir(mount.cache_dir / "tmp")
+    time.sleep(2.2)  # past the interval: the new version is read, and filled, whole
+    assert _whole(mount.path / "shard.bin") == new
+    mount.settle()
+    assert mount.status()["cache_files"] == 1
+    assert _cached_bytes(mount, source, "shard.bin") == new
+
+
+def test_kill_9_during_a_fill_leaves_nothing_indexed(source, remote, mount_cachefs):
+    rng = random.Random(12)
+    data = rng.randbytes(24 * 2**20)
+    (source / "shard.bin").write_bytes(data)
+    (source / "small.bin").write_bytes(b"small and whole\n")
+    mount = mount_cachefs(remote.path, fraction=1.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    assert _whole(mount.path / "small.bin") == b"small and whole\n"
+    mount.settle()
+    remote.configure(bandwidth_mbps=10)  # a fill of 24 MiB takes over two seconds
+    reader = os.open(mount.path / "shard.bin", os.O_RDONLY)
+    try:
+        assert os.pread(reader, 4096, 0) == data[:4096]
+        wait_for(lambda: os.listdir(mount.cache_dir / "tmp"), what="the fill under way")
+        os.kill(mount.pid, signal.SIGKILL)
+    finally:
+        os.close(reader)
+    mount.kill()
+    remote.configure(bandwidth_mbps=0)
+    mount.start()  # cleans the stale mount up, reconciles the cache
+    status = mount.status()
+    assert status["cache_files"] == 1  # small.bin; nothing of the shard
+    assert not os.listdir(mount.cache_dir / "tmp")
+    assert _whole(mount.path / "shard.bin") == data
+    assert _whole(mount.path / "small.bin") == b"small and whole\n"
+    mount.settle()
+    assert mount.status()["cache_files"] == 2
+    mount.stop()
+    verify = run_cachefs("verify", "--cache-dir", str(mount.cache_dir), timeout=60)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+@pytest.mark.fast
+def test_opens_stay_bounded_by_the_remote_timeout_and_local_bounds_every_read(
+        source, remote, mount_cachefs):
+    (source / "a.bin").write_bytes(os.urandom(100_000))
+    (source / "b.bin").write_bytes(os.urandom(100_000))
+    kernel = mount_cachefs(remote.path, name="kernel", cache_dir=source.parent / "ck",
+                           fraction=0.0, remote_timeout=2, **KERNEL)
+    strict = mount_cachefs(remote.path, name="strict", cache_dir=source.parent / "cs",
+                           fraction=0.0, remote_timeout=2, passthrough="local")
+    for mount in (kernel, strict):
+        os.stat(mount.path / "a.bin")
+        os.stat(mount.path / "b.bin")
+    # An open hangs on the remote: the daemon's own call, bounded in both modes.
+    remote.set_fault("hang", ops=["open"])
+    try:
+        for mount in (kernel, strict):
+            started = time.monotonic()
+            assert getattr(read_bounded(mount.path / "a.bin"), "errno", None) == errno.EIO
+            assert time.monotonic() - started < 2 + 2
+    finally:
+        remote.clear_faults()
+    # The reads hang: the strict mode answers EIO after the timeout, as the daemon reads.
+    strict_reader = strict.path / "b.bin"
+    remote.set_fault("hang", ops=["read"])
+    try:
+        started = time.monotonic()
+        assert getattr(read_bounded(strict_reader), "errno", None) == errno.EIO
+        assert time.monotonic() - started < 2 + 2
+    finally:
+        remote.clear_faults()
+    wait_for(lambda: strict.metric("cachefs_remote_available") == 1, timeout=15,
+             what="the remote back")
+    assert _whole(strict_reader) == (source / "b.bin").read_bytes()
+    assert errno_of(lambda: _whole(kernel.path / "b.bin")) is None
