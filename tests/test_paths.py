@@ -404,3 +404,27 @@ def _write_table(mount: Path) -> str:
     path.write_text(mountinfo_line(1, "/", "/", "ext4")
                     + mountinfo_line(2, "/", str(mount), "fuse.cachefs"))
     return str(path)
+
+
+@pytest.mark.fast
+def test_the_training_pod_example_sees_the_daemon_at_paths_of_its_own():
+    """deploy/kubernetes: the pod mounts the dataset at another path than the node's, and
+    the daemon's runtime directory where the client looks for it."""
+    import tomllib
+
+    import yaml
+
+    deploy = REPO / "deploy" / "kubernetes"
+    docs = [d for d in yaml.safe_load_all((deploy / "daemonset.yaml").read_text()) if d]
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["imagenet.toml"]
+    settings = tomllib.loads(config)
+    [pod] = [d for d in yaml.safe_load_all((deploy / "training-pod.yaml").read_text()) if d]
+    [container] = pod["spec"]["containers"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["spec"]["volumes"]}
+    mounted = {host_paths[m["name"]]: m["mountPath"] for m in container["volumeMounts"]}
+    dataset_dir = os.path.dirname(settings["mountpoint"])
+    assert mounted[dataset_dir] != dataset_dir
+    assert container["command"][-1].startswith(mounted[dataset_dir] + "/")
+    env = {e["name"]: e["value"] for e in container.get("env", [])}
+    runtime_dir = mounted[settings["runtime_dir"]]
+    assert runtime_dir == settings["runtime_dir"] or env[RUNTIME_DIR_ENV] == runtime_dir
