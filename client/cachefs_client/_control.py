@@ -65,7 +65,11 @@ def socket_path(mount_point: str) -> tuple[str, str]:
 def connect(mount_point: str, timeout: float) -> socket.socket:
     """A connected control socket of the daemon serving ``mount_point``; Unreachable if not."""
     path, target = socket_path(mount_point)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    except OSError as exc:  # out of descriptors, say
+        raise Unreachable(f"cannot make a socket for the daemon of {mount_point} "
+                          f"({exc.strerror})") from None
     sock.settimeout(timeout)
     try:
         sock.connect(path)
