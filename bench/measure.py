@@ -105,7 +105,11 @@ def _reach(variant: Variant, dataset: Dataset, remote: EmulatedRemote, settings:
             remote_path(remote, dataset), work / "mnt", work / "cache", cache_size_bytes=budget,
             fraction=variant.fraction, log_file=settings.out_dir / "logs" / f"{variant.name}.log",
             extra_args=variant.cachefs_args))
-        return mount.path, counters.combined(
+        root = mount.path
+        if variant.through_symlink:  # /data -> the local disk that holds the mount
+            (work / "data").symlink_to(work)
+            root = work / "data" / mount.path.name
+        return root, counters.combined(
             emulator, lambda: counters.cachefs_snapshot(mount.metrics_text()),
             lambda: counters.daemon_cpu_snapshot(mount.pid))
     if variant.kind == RCLONE:

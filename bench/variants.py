@@ -10,7 +10,11 @@
   than the interval; the other variants' epochs are shorter than the default interval, so
   their attributes stay fresh, as with ``never``;
 * ``rclone``: rclone's VFS cache (``--vfs-cache-mode full``) over the remote, given the byte
-  budget that cachefs has at the peer fraction (0.2 by default).
+  budget that cachefs has at the peer fraction (0.2 by default);
+* ``cachefs-f<F>-symlink`` and ``cachefs-f<F>-symlink-hints``: the cachefs variants read
+  through a symlink to the directory that holds the mount (``/data`` linked to a local disk),
+  as training jobs often name their data: the client must find its daemon all the same.
+  Measured only when named (``--variants``), beside their twins through the real path.
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ class Variant:
     fraction: float | None = None  # cachefs: the --fraction; rclone: the budget's fraction
     hints: bool = False
     attributes_due: bool = False  # cachefs: revalidate every file as each epoch starts
+    through_symlink: bool = False  # cachefs: the loop names files through a symlinked parent
 
     @property
     def name(self) -> str:
         if self.kind == CACHEFS:
-            return (f"cachefs-f{self.fraction:g}" + ("-hints" if self.hints else "")
-                    + ("-due" if self.attributes_due else ""))
+            return (f"cachefs-f{self.fraction:g}" + ("-symlink" if self.through_symlink else "")
+                    + ("-hints" if self.hints else "") + ("-due" if self.attributes_due else ""))
         return self.kind
 
     @property
@@ -60,11 +65,18 @@ def all_variants(fractions: tuple[float, ...] = DEFAULT_FRACTIONS) -> list[Varia
     return [Variant(LOCAL), Variant(DIRECT), *cached, *due, Variant(RCLONE, PEER_FRACTION)]
 
 
+def on_request_variants(fractions: tuple[float, ...] = DEFAULT_FRACTIONS) -> list[Variant]:
+    """Variants measured only when named: the cachefs ones through a symlinked path."""
+    return [Variant(CACHEFS, f, hints, through_symlink=True) for f in fractions
+            for hints in (False, True)]
+
+
 def select(names: str | None, fractions: tuple[float, ...] = DEFAULT_FRACTIONS) -> list[Variant]:
-    """The variants named in a comma-separated list (None: all); ValueError naming the choices."""
-    every = all_variants(fractions)
+    """The variants named in a comma-separated list (None: all but those measured on request);
+    ValueError naming the choices."""
     if not names:
-        return every
+        return all_variants(fractions)
+    every = all_variants(fractions) + on_request_variants(fractions)
     by_name = {v.name: v for v in every}
     chosen = []
     for name in (n.strip() for n in names.split(",")):

@@ -197,7 +197,7 @@ def test_a_daemon_without_the_fast_path_falls_back(tmp_path, source, mount_cache
 FALLBACK_SCRIPT = """
 import sys, warnings
 from cachefs_client import fastpath
-reader = fastpath.reader_for(fastpath.process_state().mounts.root_of(sys.argv[1]))
+reader = fastpath.reader_for(fastpath.process_state().paths.locate(sys.argv[1])[0])
 class Garbage:
     def readline(self, limit): return b"not json\\n"
     def close(self): pass
@@ -256,7 +256,7 @@ def test_the_daemon_checks_who_asks(shared_dirs, mount_cachefs):
     lib = shared_dirs / "lib" / "cachefs_client"
     lib.mkdir(parents=True)
     (lib / "__init__.py").write_text("")
-    for module in ("_daemon.py", "fastpath.py"):
+    for module in ("_control.py", "_daemon.py", "_paths.py", "fastpath.py"):
         shutil.copy(REPO / "client" / "cachefs_client" / module, lib / module)
     mount = mount_cachefs(backing, name=str(shared_dirs / "mnt"), cache_dir=shared_dirs / "cache",
                           cache_size="64MiB", allow_other=True)

@@ -48,7 +48,7 @@ from cachefs.attr import Attr
 from cachefs.errors import errno_for
 from cachefs.kernel import protocol as p
 from cachefs.kernel.session import Connection, Request, Session
-from cachefs.mirror.tree import CONTROL_NAME, CachedTree, Located
+from cachefs.mirror.tree import CachedTree, Located, is_control_entry
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class MirrorFS:
         relpath = f"{directory.relpath}/{text}" if directory.relpath else text
         attr = self.tree.getattr(relpath)
         node = self._remember(relpath, attr)
-        timeout = self._timeout(relpath) if relpath != CONTROL_NAME else 0.0
+        timeout = 0.0 if is_control_entry(relpath) else self._timeout(relpath)
         return p.entry_out(node.nodeid, 0, timeout, timeout, node.packed)
 
     def _remember(self, relpath: str, attr: Attr) -> Node:

@@ -51,13 +51,21 @@ from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_span
 
 log = logging.getLogger(__name__)
 
-# The hidden entry at the root of the mount that leads to the control socket.
-# Not listed by readdir, so `diff -r BACKING MOUNTPOINT` stays clean.
+# The hidden entry that leads to the control socket, answered in every directory of the
+# mount: a client that sees only a subdirectory (a bind mount of it, a container's subPath)
+# finds the daemon there too.  Never listed, so `diff -r BACKING MOUNTPOINT` stays clean; a
+# remote file of that name is hidden by it (listed nowhere, looked up as the entry).
 CONTROL_NAME = ".cachefs.sock"
+_CONTROL_SUFFIX = "/" + CONTROL_NAME
 READAHEAD_FROM_START = 2**20
 # A miss of a file up to this size is fetched whole at open (one remote read) and handed
 # over as a local file; larger files are read chunk by chunk through the daemon.
 WHOLE_FETCH_BYTES = CHUNK_BYTES
+
+
+def is_control_entry(relpath: str) -> bool:
+    """Whether ``relpath`` (relative to BACKING) names the hidden control entry."""
+    return relpath == CONTROL_NAME or relpath.endswith(_CONTROL_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,7 @@ class CachedTree:
     # -- metadata ----------------------------------------------------------------------
 
     def getattr(self, relpath: str) -> Attr:
-        if relpath == CONTROL_NAME and self.control_target:
+        if self.control_target and is_control_entry(relpath):
             return self._control_attr()
         return self.attrs.get(relpath)
 
@@ -142,12 +150,15 @@ class CachedTree:
                     root.atime_ns, root.mtime_ns, root.ctime_ns)
 
     def readlink(self, relpath: str) -> str:
-        if relpath == CONTROL_NAME and self.control_target:
+        if self.control_target and is_control_entry(relpath):
             return self.control_target
         return self.remote.readlink(relpath)
 
     def listdir(self, relpath: str) -> list[tuple[str, int]]:
-        return self.attrs.list_directory(relpath)
+        entries = self.attrs.list_directory(relpath)
+        if self.control_target:  # a remote file of that name is hidden by the entry
+            entries = [entry for entry in entries if entry[0] != CONTROL_NAME]
+        return entries
 
     # -- open ------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from cachefs.metrics import (
     MetricsAddress,
 )
 from cachefs.mirror.mirrorfs import MirrorFS
-from cachefs.mirror.tree import CONTROL_NAME, CachedTree
+from cachefs.mirror.tree import CONTROL_NAME, CachedTree, is_control_entry
 from cachefs.peer.client import ClusterOrigin, PeerClient
 from cachefs.peer.members import Members
 from cachefs.peer.protocol import read_secret
@@ -342,8 +342,10 @@ class Daemon:
 
     def _whole_file_reply(self, peer: Peer, argument: bytes, *, descriptor: bool) -> Reply:
         try:
-            relpath, attr = resolve(normalize(argument, self._mount_text),
-                                    self.tree.attrs, self.remote, _caller(peer))
+            named = normalize(argument, self._mount_text)
+            if is_control_entry(named):  # through the mount, the socket: never a file
+                return Reply({"ok": False, "error": "the control entry"})
+            relpath, attr = resolve(named, self.tree.attrs, self.remote, _caller(peer))
             found = self.tree.locate(relpath, attr, fetch=False)
         except (OSError, CachefsError) as exc:
             return Reply({"ok": False, "error": str(exc) or type(exc).__name__})

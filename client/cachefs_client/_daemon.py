@@ -1,8 +1,9 @@
 """Finding the cachefs daemon behind a path, and talking to it, from any process.
 
-The daemon is found from the path alone: /proc/self/mountinfo says which
-``fuse.cachefs`` mount holds it, and the hidden symlink ``.cachefs.sock`` at
-that mount's root leads to the daemon's control socket.
+The daemon is found from the path alone: _paths.py maps a path to the cachefs mount that
+holds it (through symlinks, bind mounts of a subdirectory, other mount namespaces) and to
+the daemon's name for the file; _control.py finds the daemon's control socket from that
+mount.
 
 Connections are made lazily in the process that uses them and made again after
 a fork (DataLoader workers inherit the parent's objects, not its sockets).
@@ -13,90 +14,54 @@ then, never more often than every few seconds.
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
-FSTYPE = "fuse.cachefs"
-CONTROL_NAME = ".cachefs.sock"
+from cachefs_client._control import Unreachable, connect
+from cachefs_client._paths import MOUNTINFO, PathMap
+
 SEND_TIMEOUT_SECONDS = 1.0
 RETRY_SECONDS = 5.0
-MOUNTINFO_REFRESH_SECONDS = 1.0
 
 _warned: set[str] = set()
 
 
-def warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str | Callable[[], str]) -> None:
+    """Warn once per process for ``key``; ``message`` may be a function, called only then."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"cachefs: {message}", RuntimeWarning, stacklevel=3)
+        text = message() if callable(message) else message
+        warnings.warn(f"cachefs: {text}", RuntimeWarning, stacklevel=3)
 
 
-def _unescape(field: str) -> str:
-    out, i = [], 0
-    while i < len(field):
-        digits = field[i + 1 : i + 4]
-        if field[i] == "\\" and len(digits) == 3 and digits.isdigit():
-            out.append(chr(int(digits, 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+def warn_unreachable(mount_point: str, exc: Unreachable) -> None:
+    """One warning per mount for a daemon that cannot be reached, whoever tried (hints or
+    the fast path)."""
+    warn_once(f"unreachable:{mount_point}",
+              f"{exc}; training goes on without hints, reading through the mount")
 
 
-def cachefs_mounts() -> list[str]:
-    """Mount points of the cachefs mounts this process sees, longest first."""
-    found = []
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields, tail = left.split(), right.split()
-                if len(fields) >= 5 and tail and tail[0] == FSTYPE:
-                    found.append(_unescape(fields[4]))
-    except OSError:
-        pass
-    return sorted(found, key=len, reverse=True)
+def warn_not_on_mount(paths: PathMap, path) -> None:
+    """One warning per process for paths on no cachefs mount, saying why."""
+    warn_once("nomount", lambda: not_on_mount_message(paths, path))
 
 
-class MountIndex:
-    """Which cachefs mount a path is under.  Thread safety: a lock.
-
-    Answers are cached per directory.  A path on no known mount makes the mount
-    table be read again, at most once a second: a mount made after this process
-    started is found, and a loop over paths on no mount stays cheap.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._mounts: list[str] = []
-        self._read_at = -1e9
-        self._by_dir: dict[str, str] = {}
-
-    def root_of(self, path: str) -> str | None:
-        directory = os.path.dirname(path)
-        with self._lock:
-            root = self._by_dir.get(directory)
-            if root is not None:
-                return root
-            root = self._find(path)
-            now = time.monotonic()
-            if root is None and now - self._read_at > MOUNTINFO_REFRESH_SECONDS:
-                self._mounts, self._read_at = cachefs_mounts(), now
-                root = self._find(path)
-            if root is not None:
-                if len(self._by_dir) > 100_000:
-                    self._by_dir.clear()
-                self._by_dir[directory] = root
-            return root
-
-    def _find(self, path: str) -> str | None:
-        return next((m for m in self._mounts
-                     if path == m or path.startswith(m.rstrip("/") + "/")), None)
+def not_on_mount_message(paths: PathMap, path) -> str:
+    text = os.fsdecode(os.fspath(path))
+    directory = os.path.dirname(os.path.abspath(text))
+    resolved, entry = paths.resolve_directory(directory)
+    if paths.table_error is not None:
+        return (f"cannot read {MOUNTINFO} ({paths.table_error.strerror}), so no path is "
+                "known to be on a cachefs mount and no hints are sent; make /proc readable "
+                "in this container")
+    shown = text if resolved == directory else f"{text} (in {resolved})"
+    where = "no mount" if entry is None else f"the {entry.fstype} mount at {entry.mount_point}"
+    return (f"{shown} is not on a cachefs mount but on {where}; no hints are sent for such "
+            "paths")
 
 
 class DaemonLink:
@@ -105,8 +70,8 @@ class DaemonLink:
     Thread safety: ``_lock`` serialises use of the socket.
     """
 
-    def __init__(self, mount_root: str) -> None:
-        self.mount_root = mount_root
+    def __init__(self, mount_point: str) -> None:
+        self.mount_point = mount_point
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._retry_at = 0.0
@@ -119,17 +84,15 @@ class DaemonLink:
             return None
         self._retry_at = now + RETRY_SECONDS
         try:
-            target = os.readlink(os.path.join(self.mount_root, CONTROL_NAME))
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            sock.settimeout(SEND_TIMEOUT_SECONDS)
-            sock.connect(target)
-        except OSError as exc:
-            why = "is gone" if exc.errno == errno.ENOTCONN else f"cannot be reached ({exc})"
-            warn_once(f"down:{self.mount_root}",
-                      f"the daemon of {self.mount_root} {why}; training goes on without hints")
-            return None
-        self._sock = sock
-        return sock
+            self._sock = connect(self.mount_point, SEND_TIMEOUT_SECONDS)
+        except Unreachable as exc:
+            warn_unreachable(self.mount_point, exc)
+        return self._sock
+
+    def reachable(self) -> bool:
+        """Connect now if not connected (a warning once if that fails)."""
+        with self._lock:
+            return self._connect_locked() is not None
 
     def send(self, payload: bytes) -> bool:
         """Send request lines that need no answer; False (and a warning once) on failure."""
@@ -142,8 +105,8 @@ class DaemonLink:
                 return True
             except OSError as exc:
                 self._drop_locked()
-                warn_once(f"lost:{self.mount_root}",
-                          f"lost the daemon of {self.mount_root} ({exc}); training goes on "
+                warn_once(f"lost:{self.mount_point}",
+                          f"lost the daemon of {self.mount_point} ({exc}); training goes on "
                           "without hints")
                 return False
 
@@ -165,9 +128,9 @@ class _ProcessState:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.mounts = MountIndex()
+        self.paths = PathMap()
         self.links: dict[str, DaemonLink] = {}
-        self.readers: dict = {}  # mount root -> fastpath.DaemonReader
+        self.readers: dict = {}  # mount point -> fastpath.DaemonReader
         self.lock = threading.Lock()
 
 
@@ -182,19 +145,19 @@ def process_state() -> _ProcessState:
     return state
 
 
-def per_process(registry: str, mount_root: str, make):
-    """This process's object for ``mount_root`` in ``registry`` (made by ``make`` once)."""
+def per_process(registry: str, mount_point: str, make):
+    """This process's object for ``mount_point`` in ``registry`` (made by ``make`` once)."""
     state = process_state()
     with state.lock:
         objects = getattr(state, registry)
-        found = objects.get(mount_root)
+        found = objects.get(mount_point)
         if found is None:
-            found = objects[mount_root] = make(mount_root)
+            found = objects[mount_point] = make(mount_point)
         return found
 
 
-def link_for(mount_root: str) -> DaemonLink:
-    return per_process("links", mount_root, DaemonLink)
+def link_for(mount_point: str) -> DaemonLink:
+    return per_process("links", mount_point, DaemonLink)
 
 
 def send_hints(paths) -> int:
@@ -204,19 +167,31 @@ def send_hints(paths) -> int:
     warning shown once.
     """
     state = process_state()
-    by_root: dict[str, list[bytes]] = {}
+    locate = state.paths.locate
+    by_mount: dict[str, list[bytes]] = {}
     for path in paths:
-        absolute = os.path.abspath(os.fspath(path))
-        root = state.mounts.root_of(absolute)
-        if root is None:
-            warn_once("nomount", f"{absolute} is not on a cachefs mount; no hints are sent "
-                      "for such paths")
+        found = locate(path)
+        if found is None:
+            warn_not_on_mount(state.paths, path)
             continue
-        relative = absolute[len(root):].lstrip("/")
-        by_root.setdefault(root, []).append(os.fsencode(relative))
+        mount_point, relative = found
+        if relative and "\n" not in relative:
+            by_mount.setdefault(mount_point, []).append(os.fsencode(relative))
     sent = 0
-    for root, relatives in by_root.items():
-        payload = b"".join(b"HINT " + r + b"\n" for r in relatives if b"\n" not in r)
-        if link_for(root).send(payload):
+    for mount_point, relatives in by_mount.items():
+        payload = b"".join(b"HINT " + r + b"\n" for r in relatives)
+        if link_for(mount_point).send(payload):
             sent += len(relatives)
     return sent
+
+
+def check_daemon(path) -> bool:
+    """Whether the daemon behind ``path`` can be reached now, warning once if not.  Called
+    before DataLoader workers start, so that workers forked after it inherit the warning
+    instead of each repeating it."""
+    state = process_state()
+    found = state.paths.locate(path)
+    if found is None:
+        warn_not_on_mount(state.paths, path)
+        return False
+    return link_for(found[0]).reachable()

@@ -28,7 +28,8 @@ import os
 import socket
 import threading
 
-from cachefs_client._daemon import CONTROL_NAME, per_process, process_state, warn_once
+from cachefs_client._control import Unreachable, connect
+from cachefs_client._daemon import per_process, process_state, warn_once, warn_unreachable
 
 # A reply may wait for a prefetch of the file to land; the mount would wait as long.
 READ_TIMEOUT_SECONDS = 60.0
@@ -57,8 +58,8 @@ class DaemonReader:
     Thread safety: ``_lock`` serialises requests and replies on the socket.
     """
 
-    def __init__(self, mount_root: str) -> None:
-        self.mount_root = mount_root
+    def __init__(self, mount_point: str) -> None:
+        self.mount_point = mount_point
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._replies: _Replies | None = None
@@ -74,6 +75,11 @@ class DaemonReader:
                 return found
             try:
                 self._connect_locked()
+            except Unreachable as exc:
+                self._broken = True
+                warn_unreachable(self.mount_point, exc)
+                return found
+            try:
                 wanted = [i for i, rel in enumerate(relatives)
                           if b"\n" not in rel and len(rel) <= MAX_REQUEST_PATH_BYTES]
                 for batch in _batches(wanted, relatives):
@@ -86,8 +92,8 @@ class DaemonReader:
                 # on in this process.  The mount gives the same bytes.
                 self._close_locked()
                 self._broken = True
-                warn_once(f"fastpath:{self.mount_root}",
-                          f"reading {self.mount_root} through the mount only ({exc!r})")
+                warn_once(f"fastpath:{self.mount_point}",
+                          f"reading {self.mount_point} through the mount only ({exc!r})")
         return found
 
     def _exchange_locked(self, command: bytes, batch: list[int], relatives: list[bytes],
@@ -119,17 +125,9 @@ class DaemonReader:
         return again
 
     def _connect_locked(self) -> None:
-        if self._sock is not None:
-            return
-        target = os.readlink(os.path.join(self.mount_root, CONTROL_NAME))
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(READ_TIMEOUT_SECONDS)
-        try:
-            sock.connect(target)
-        except OSError:
-            sock.close()
-            raise
-        self._sock, self._replies = sock, _Replies(sock)
+        if self._sock is None:
+            sock = connect(self.mount_point, READ_TIMEOUT_SECONDS)
+            self._sock, self._replies = sock, _Replies(sock)
 
     def _close_locked(self) -> None:
         for closable in (self._replies, self._sock):
@@ -236,8 +234,8 @@ class _Replies:
             os.close(self._fds.popleft())
 
 
-def reader_for(mount_root: str) -> DaemonReader:
-    return per_process("readers", mount_root, DaemonReader)
+def reader_for(mount_point: str) -> DaemonReader:
+    return per_process("readers", mount_point, DaemonReader)
 
 
 def read_file(path) -> bytes:
@@ -252,17 +250,17 @@ def read_files(paths) -> list[bytes]:
     (a DataLoader worker's ``__getitems__`` is the place to call it).  Same results as
     reading each file in turn, errors included."""
     paths = list(paths)
-    absolute = [os.path.abspath(os.fspath(path)) for path in paths]
-    found: list[bytes | None] = [None] * len(absolute)
-    by_root: dict[str, list[int]] = {}
-    mounts = process_state().mounts
-    for i, path in enumerate(absolute):
-        root = mounts.root_of(path)
-        if root is not None:
-            by_root.setdefault(root, []).append(i)
-    for root, indices in by_root.items():
-        relatives = [os.fsencode(absolute[i][len(root):].lstrip("/")) for i in indices]
-        got = reader_for(root).read_many(relatives)
+    found: list[bytes | None] = [None] * len(paths)
+    by_mount: dict[str, tuple[list[int], list[bytes]]] = {}
+    locate = process_state().paths.locate
+    for i, path in enumerate(paths):
+        located = locate(path)
+        if located is not None and located[1]:
+            indices, relatives = by_mount.setdefault(located[0], ([], []))
+            indices.append(i)
+            relatives.append(os.fsencode(located[1]))
+    for mount_point, (indices, relatives) in by_mount.items():
+        got = reader_for(mount_point).read_many(relatives)
         for k, i in enumerate(indices):
             found[i] = got[k]
     for i, data in enumerate(found):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.utils.data
 
-from cachefs_client._daemon import warn_once
+from cachefs_client._daemon import check_daemon, warn_once
 from cachefs_client.dataset import default_path_of
 from cachefs_client.sampler import HintingBatchSampler, HintingSampler, default_lookahead
 
@@ -46,6 +46,7 @@ class DataLoader(torch.utils.data.DataLoader):
             return
         if path_of is None:
             path_of = default_path_of(dataset)
+        _check_daemon_of(dataset, path_of)
         if lookahead is None:
             lookahead = default_lookahead(plain.num_workers, plain.prefetch_factor)
         # Persistent workers: torch draws their base seed from the generator only once.
@@ -66,3 +67,14 @@ class DataLoader(torch.utils.data.DataLoader):
                                      loader_generator=plain.generator,
                                      persistent_workers=persistent)
             super().__init__(dataset, batch_size=None, sampler=indices, **rest)
+
+
+def _check_daemon_of(dataset, path_of: Callable[[int], Any]) -> None:
+    """Find the daemon now, before the workers start: a warning that it cannot be reached
+    is then shown once, here, and workers forked later inherit it instead of repeating it."""
+    try:
+        path = path_of(0) if len(dataset) else None
+    except Exception:  # the hinting sampler reports a failing path_of when it is used
+        return
+    if path is not None:
+        check_daemon(path)
