@@ -14,13 +14,16 @@ built without it) ``passthrough`` is False and the file system serves reads itse
 
 Threads.  A serving thread reads a request (the GIL released while it waits), handles it
 holding the GIL, writes the reply, and reads the next.  The kernel wakes one reader per
-request, so idle threads cost nothing; but every thread more that is busy takes turns at the
-GIL, so there are few (``base_threads``), and more are added only where waiting, not Python,
-is what a request costs:
+request, and every thread more that is busy takes turns at the GIL (each turn a futex wake
+and a context switch), so there are few (``base_threads``), and more are added only where
+waiting, not Python, is what a request costs:
 
-- when a request starts waiting on the remote (cachefs/remotewait.py) and no other thread
-  is free of the remote, one more is added at once, so that misses wait side by side and
-  never hold up the opens of cached files;
+- when a request has waited on the remote (cachefs/remotewait.py) for ``GRACE_SECONDS``
+  while no other thread was free of the remote, one more is added, so that misses wait side
+  by side and never hold up the opens of cached files.  Not at once: a remote that answers
+  within the grace (a fast NFS server, the attributes in its client's cache) would have a
+  thread woken, and parked again, for every miss: measured on a local tree as the remote,
+  that cost 90 us of daemon CPU per file, a third of all of it;
 - when every thread has been busy and none has finished a request for ``STUCK_SECONDS``
   (a wait nobody marked, a hung cache disk), the threads double.
 
@@ -29,7 +32,8 @@ another one idle) park, to be woken by the next wait instead of starting a threa
 after ``PARKED_SECONDS``.
 
 Thread safety: ``_lock`` guards the thread accounting (``_threads``, ``_busy``,
-``_waiting``, ``_parked``); it is a leaf lock, held for a few counter updates.  Replies may
+``_waiting``, ``_parked``, ``_short_since``); it is a leaf lock, held for a few counter
+updates.  Replies may
 be written from any thread (a write to /dev/fuse is atomic per message).
 """
 
@@ -52,6 +56,8 @@ from cachefs.kernel import protocol as p
 log = logging.getLogger(__name__)
 
 STUCK_SECONDS = 0.1
+# How long a request waits on the remote, with no other thread free, before a thread is added.
+GRACE_SECONDS = 0.0005
 PARKED_SECONDS = 60.0
 MAX_THREADS = 128
 # One serving thread per two cores, at least one, at most four.  Two threads on two cores
@@ -166,6 +172,9 @@ class Session:
         self._unpark = threading.Semaphore(0)
         self._last_done = time.monotonic()
         self._ended = threading.Event()
+        # Wakes the watching loop of serve(): the session ended, or a wait left no thread free.
+        self._wake = threading.Event()
+        self._short_since: float | None = None  # since when no thread is free of the remote
         self._no_flush = False
         self._handlers = {
             p.LOOKUP: self._lookup, p.FORGET: self._forget, p.BATCH_FORGET: self._batch_forget,
@@ -192,7 +201,12 @@ class Session:
         """Serve until the mount goes away (unmounted, or the connection aborted)."""
         for _ in range(self._base):
             self._add_thread()
-        while not self._ended.wait(STUCK_SECONDS / 2):
+        while not self._ended.is_set():
+            # Every STUCK_SECONDS / 2; every GRACE_SECONDS / 2 while no thread is free.
+            short = self._short_since is not None
+            self._wake.wait(GRACE_SECONDS / 2 if short else STUCK_SECONDS / 2)
+            self._wake.clear()
+            self._add_if_short()
             self._add_if_stuck()
         self._wake_parked()
         os.close(self.fd)
@@ -301,9 +315,25 @@ class Session:
         local.waiting = True
         with self._lock:
             self._waiting += 1
-            short = self._serving_locked() - self._waiting < 1
-        if short:
-            self._add_thread()
+            wake = self._short_since is None and self._serving_locked() - self._waiting < 1
+            if wake:
+                self._short_since = time.monotonic()
+        if wake:  # once per spell without a free thread, not per miss
+            self._wake.set()
+
+    def _add_if_short(self) -> None:
+        """Add a thread when no thread has been free of the remote for GRACE_SECONDS."""
+        with self._lock:
+            since = self._short_since
+            if since is None:
+                return
+            if self._serving_locked() - self._waiting >= 1:
+                self._short_since = None  # a wait ended meanwhile
+                return
+            if time.monotonic() - since < GRACE_SECONDS:
+                return
+            self._short_since = None
+        self._add_thread()
 
     def _end_remote_wait(self) -> None:
         pass  # the request's end ends its wait: see _serve
@@ -330,7 +360,7 @@ class Session:
                         continue  # ENOENT: the request was interrupted before we read it
                     if exc.errno not in (errno.ENODEV, errno.EBADF):
                         log.error("reading /dev/fuse failed: %s", exc)
-                    self._ended.set()
+                    self._end()
                     return
                 _len, opcode, unique, nodeid, uid, gid, pid, _ext, _pad = unpack(buffer)
                 with self._lock:
@@ -472,7 +502,11 @@ class Session:
 
     def _destroy(self, req: Request, body: memoryview) -> None:
         self.reply(req.unique)
+        self._end()
+
+    def _end(self) -> None:
         self._ended.set()
+        self._wake.set()
 
     def _lookup(self, req: Request, body: memoryview) -> None:
         name = bytes(body[: len(body) - 1])  # NUL-terminated
