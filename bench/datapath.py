@@ -56,7 +56,8 @@ from pathlib import Path
 
 from bench.driver import drop_page_cache
 from bench.emulator.remote import EmulatedRemote
-from bench.mounts import REPO, CachefsMount
+from bench.mounts import REPO, CachefsMount, ScratchDisk
+from cachefs.sizes import parse_size
 
 PATHS = ("fill", "cached", "warm", "client", "not kept", "prefetched", "client not kept")
 # The paths of a pass over files the cache keeps (fraction 1) and over files it does not.
@@ -81,6 +82,10 @@ def _read_files(paths: list[str]) -> int:
             while chunk := f.read(1 << 20):
                 total += len(chunk)
     return total
+
+
+def _import_client() -> None:
+    import cachefs_client  # noqa: F401
 
 
 def _read_files_hinted(paths: list[str]) -> int:
@@ -108,7 +113,9 @@ class Readers:
 
     def __init__(self, count: int) -> None:
         self.count = count
-        self._pool = multiprocessing.get_context("fork").Pool(count)
+        # The client is imported as each reader starts, not in its first pass (it imports
+        # torch: seconds).
+        self._pool = multiprocessing.get_context("fork").Pool(count, initializer=_import_client)
 
     def read_pass(self, root: Path, names: list[str], *, seed: int, drop: bool = True,
                   path: str = "") -> tuple[float, int]:
@@ -126,6 +133,12 @@ class Readers:
         self._pool.terminate()
         self._pool.join()
 
+    def __enter__(self) -> Readers:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def make_files(root: Path, count: int, size: int) -> list[str]:
     names = []
@@ -133,7 +146,9 @@ def make_files(root: Path, count: int, size: int) -> list[str]:
         name = f"d{i % 32:02d}/f{i:06d}.bin"
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(os.urandom(size))
+        with open(path, "wb") as f:
+            for offset in range(0, size, 64 << 20):  # a large file in pieces
+                f.write(os.urandom(min(64 << 20, size - offset)))
         names.append(name)
     return names
 
@@ -194,7 +209,10 @@ def run(args: argparse.Namespace) -> Measurement:
     work = Path(tempfile.mkdtemp(prefix="cachefs-datapath-"))
     readers = Readers(args.readers)
     remote = None
+    disk = ScratchDisk(work, 2 * (4 * args.files * args.size + (256 << 20))) \
+        if args.cache_disk == "ext4" else None
     try:
+        caches = disk.__enter__() if disk is not None else work
         source = work / "source"
         names = make_files(source, args.files, args.size)
         total = args.files * args.size
@@ -215,13 +233,16 @@ def run(args: argparse.Namespace) -> Measurement:
             for variant, (suffix, tree) in itertools.product(args.variants, trees):
                 label = variant + suffix
                 for fraction, paths in ((1.0, KEPT_PATHS), (0.0, NOT_KEPT_PATHS)):
-                    cache = work / f"cache-{label}-{repeat}-{fraction:g}"
+                    cache = caches / f"cache-{label}-{repeat}-{fraction:g}"
+                    # Readers of their own per mount: a fast-path client's connection is to
+                    # one daemon.
                     with CachefsMount(remote_path, work / "mnt", cache,
                                       cache_size_bytes=4 * total + (256 << 20),
                                       fraction=fraction, log_file=work / f"{label}.log",
-                                      extra_args=VARIANTS[variant], tree=tree) as mount:
+                                      extra_args=VARIANTS[variant], tree=tree) as mount, \
+                            Readers(args.readers) as mount_readers:
                         for path in paths:
-                            _measure_pass(m, readers, label, path, mount.path, names,
+                            _measure_pass(m, mount_readers, label, path, mount.path, names,
                                           daemon_pid=mount.pid, remote_pid=remote_pid,
                                           seed=seed, drop=path != "warm", expect_bytes=total,
                                           settle=mount.settle)
@@ -231,15 +252,25 @@ def run(args: argparse.Namespace) -> Measurement:
         readers.close()
         if remote is not None:
             remote.stop()
+        if disk is not None:
+            disk.close()
         shutil.rmtree(work, ignore_errors=True)
     return m
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m bench.datapath", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--files", type=int, default=3000)
-    parser.add_argument("--size", type=int, default=65536)
+    parser.add_argument("--size", type=_size, default=65536,
+                        help="bytes per file: 65536, 64KiB, 2G (default 64 KiB)")
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", default="local",
@@ -247,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                         "or 'tree': the local tree itself as the remote, no emulator")
     parser.add_argument("--variants", default="auto,local,off",
                         type=lambda text: [v for v in text.split(",") if v])
+    parser.add_argument("--cache-disk", choices=("ext4", "root"), default="ext4",
+                        help="where the caches live: a fresh journaled ext4 of their own, as a "
+                        "node's NVMe cache disk (default), or the root file system")
     parser.add_argument("--baseline", type=lambda text: Path(text).resolve(),
                         help="another checkout (git worktree add DIR COMMIT) measured in turns "
                         "with this one")

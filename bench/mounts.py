@@ -193,3 +193,42 @@ class RcloneMount:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class ScratchDisk:
+    """A fresh journaled ext4 of ``size_bytes`` (a loop-mounted image under ``work``) for the
+    caches of a benchmark, as a node's NVMe cache disk is: the root file system here is an
+    ext4 without a journal, where each file created scans past the inodes deleted in the last
+    minutes (9 % of a fill's CPU).  Unmounted by ``close`` (lazily when still busy)."""
+
+    def __init__(self, work: Path, size_bytes: int) -> None:
+        self.image = work / "cache-disk.img"
+        self.path = work / "cache-disk"
+        self.size_bytes = size_bytes
+        self._mounted = False
+
+    def __enter__(self) -> Path:
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.image, "wb") as f:
+            f.truncate(self.size_bytes)
+        try:
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(self.image)], check=True,
+                           capture_output=True, timeout=120)
+            subprocess.run(["mount", "-o", "loop", str(self.image), str(self.path)],
+                           check=True, capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.image.unlink(missing_ok=True)
+            raise MountError(f"cannot make a scratch ext4 for the caches: {exc}") from None
+        self._mounted = True
+        return self.path
+
+    def close(self) -> None:
+        if self._mounted:
+            if subprocess.run(["umount", str(self.path)], capture_output=True).returncode:
+                subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+            self._mounted = False
+        self.image.unlink(missing_ok=True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
