@@ -84,10 +84,6 @@ def _read_files(paths: list[str]) -> int:
     return total
 
 
-def _import_client() -> None:
-    import cachefs_client  # noqa: F401
-
-
 def _read_files_hinted(paths: list[str]) -> int:
     from cachefs_client import send_hints
 
@@ -113,9 +109,11 @@ class Readers:
 
     def __init__(self, count: int) -> None:
         self.count = count
-        # The client is imported as each reader starts, not in its first pass (it imports
-        # torch: seconds).
-        self._pool = multiprocessing.get_context("fork").Pool(count, initializer=_import_client)
+        # The client is imported here, before the readers fork, not by each reader in its
+        # first pass (it imports torch: seconds of CPU).
+        import cachefs_client  # noqa: F401
+
+        self._pool = multiprocessing.get_context("fork").Pool(count)
 
     def read_pass(self, root: Path, names: list[str], *, seed: int, drop: bool = True,
                   path: str = "") -> tuple[float, int]:

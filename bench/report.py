@@ -29,6 +29,14 @@ def _us(value: float | None) -> str:
     return "—" if value is None else f"{value:,.0f}"
 
 
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def _share(value: float, of: float | None) -> str:
+    return "—" if not of else f"{value / of:.0%}"
+
+
 def _count(value: int | None) -> str:
     return "—" if value is None else f"{value:,}"
 
@@ -43,7 +51,8 @@ def epoch_rows(results: dict) -> list[dict]:
             continue
         for e in v["epochs"]:
             rows.append({"variant": v["variant"], "error": None, **e,
-                         **targets.epoch_figures(v, e, total)})
+                         **targets.epoch_figures(v, e, total),
+                         "ceiling": targets.ceiling(results, v, e)})
     return rows
 
 
@@ -72,7 +81,8 @@ def _epoch_label(row: dict) -> str:
 
 def console_table(results: dict) -> str:
     """The per-epoch table as plain text, for a terminal."""
-    header = (f"{'variant':<20} {'epoch':>12} {'samples/s':>10} {'stall':>7} {'p99 wait':>9} "
+    header = (f"{'variant':<20} {'epoch':>12} {'samples/s':>10} {'ceiling':>8} {'stall':>7} "
+              f"{'p99 wait':>9} "
               f"{'hit ratio':>9} {'remote MiB':>11} {'floor MiB':>10} {'daemon us/file':>14} "
               f"{'remote us/file':>14}")
     lines = [header, "-" * len(header)]
@@ -82,6 +92,7 @@ def console_table(results: dict) -> str:
             continue
         lines.append(
             f"{row['variant']:<20} {_epoch_label(row):>12} {row['samples_per_second']:>10.0f} "
+            f"{_rate(row['ceiling']):>8} "
             f"{row['stall_fraction']:>7.1%} {row['wait_p99_ms']:>7.1f}ms "
             f"{_ratio(row['hit_ratio']):>9} {_mib(row['remote_bytes']):>11} "
             f"{_mib(row['floor_bytes']):>10} {_us(row['daemon_us_per_file']):>14} "
@@ -165,20 +176,24 @@ def markdown(results: dict, png_name: str | None) -> str:
             "cachefs's `cachefs_remote_read_bytes_total`, else what the emulated remote served; "
             "in brackets what the emulated remote served to cachefs. Floor: (1 - f) x dataset. "
             "CPU per file (user + system, all threads, from /proc): the cachefs daemon's per "
-            "file read through it, the emulated remote's per file it opened.",
+            "file read through it, the emulated remote's per file it opened. Ceiling: the most "
+            "samples/s the remote allows the epoch, its bandwidth over (1 - f) of a mean "
+            "sample (all of it in a cache's first epoch), or the local copy's if lower.",
             "",
-            "| variant | epoch | samples/s | stall | wait p50 ms | wait p99 ms | hit ratio | "
-            "remote MiB | floor MiB | daemon us/file | remote us/file |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| variant | epoch | samples/s | ceiling | of ceiling | stall | wait p50 ms | "
+            "wait p99 ms | hit ratio | remote MiB | floor MiB | daemon us/file | "
+            "remote us/file |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in epoch_rows(results):
         if row["error"]:
-            out.append(f"| {row['variant']} | failed: {row['error']} | | | | | | | | | |")
+            out.append(f"| {row['variant']} | failed: {row['error']} | | | | | | | | | | | |")
             continue
         remote = _mib(row["remote_bytes"])
         if row["variant"].startswith("cachefs") and row["emulator_bytes"] is not None:
             remote += f" ({_mib(row['emulator_bytes'])})"
         out.append(
             f"| {row['variant']} | {_epoch_label(row)} | {row['samples_per_second']:.0f} | "
+            f"{_rate(row['ceiling'])} | {_share(row['samples_per_second'], row['ceiling'])} | "
             f"{row['stall_fraction']:.1%} | {row['wait_p50_ms']:.1f} | {row['wait_p99_ms']:.1f} "
             f"| {_ratio(row['hit_ratio'])} | {remote} | {_mib(row['floor_bytes'])} "
             f"| {_us(row['daemon_us_per_file'])} | {_us(row['remote_us_per_file'])} |")

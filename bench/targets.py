@@ -20,7 +20,11 @@ SHARE_OF_LOCAL = 0.6
 MAX_STALL = 0.05
 MIN_FILES_PER_SECOND = 4000
 # The first epoch at the peer fraction fills the cache: no slower than no cache at all.
-FIRST_EPOCH_OF_DIRECT = 0.95
+FIRST_EPOCH_OF_DIRECT = 1.0
+# Against the remote's own ceiling (its bandwidth over the bytes a sample must bring from it):
+# a first epoch with hints on an empty cache, and a steady hinted epoch at the peer fraction.
+FIRST_EPOCH_OF_CEILING = 0.8
+STEADY_OF_CEILING = 0.9
 # Attributes due for revalidation as an epoch starts, refreshed ahead by the hints.
 DUE_SHARE_OF_FRESH = 0.9
 # Daemon CPU per file, microseconds: filled into the cache, and passed through.
@@ -51,6 +55,29 @@ def epoch_figures(variant: dict, epoch: dict, dataset_bytes: int) -> dict:
         read = epoch["bytes_read"]
         out["hit_ratio"] = max(0.0, 1 - c["remote_bytes"] / read) if read else None
     return out
+
+
+def ceiling(results: dict, variant: dict, epoch: dict) -> float | None:
+    """The most samples/s the emulated remote allows an epoch: its bandwidth over the bytes a
+    sample must bring from it, (1 - f) of a mean file (all of it in the first epoch of a
+    cache, which starts empty), or the local copy's samples/s where that is lower.  None for
+    the local copy itself, or a remote without a bandwidth cap."""
+    if variant["kind"] == LOCAL:
+        return None
+    from bench.emulator.slowfs import PROFILES
+
+    cap = PROFILES[results["settings"]["profile"]].bandwidth_mbps
+    dataset = results["dataset"]
+    kept = 0.0 if epoch["epoch"] == 1 or variant["kind"] != CACHEFS \
+        else variant["fraction"] or 0.0
+    bound = None
+    if cap and kept < 1.0:
+        bound = cap * 1e6 / ((1 - kept) * dataset["bytes"] / dataset["examples"])
+    local = _by_name(results).get(LOCAL)
+    local_rate = _mean([e["samples_per_second"] for e in (local or {}).get("epochs", [])
+                        if e["paced"] == epoch["paced"]])
+    return min(x for x in (bound, local_rate) if x is not None) \
+        if (bound, local_rate) != (None, None) else None
 
 
 def cpu_figures(epoch: dict) -> dict:
@@ -252,6 +279,31 @@ def _first_epoch_verdict(results: dict) -> list[dict]:
                      f"{rate / base:.2f}x ({rate:.0f} vs {base:.0f} samples/s)", name)]
 
 
+def _ceiling_verdicts(results: dict) -> list[dict]:
+    """The first epoch with hints on an empty cache (f = 1 and the peer fraction) and a
+    steady hinted epoch at the peer fraction, against what the remote itself allows."""
+    variants = _by_name(results)
+    out = []
+    for name, first, share in (("cachefs-f1-hints", True, FIRST_EPOCH_OF_CEILING),
+                               (f"cachefs-f{PEER_FRACTION:g}-hints", True,
+                                FIRST_EPOCH_OF_CEILING),
+                               (f"cachefs-f{PEER_FRACTION:g}-hints", False, STEADY_OF_CEILING)):
+        target = (f"{'first epoch' if first else 'steady epochs'} >= {share:.0%} of the "
+                  "remote's ceiling")
+        v = variants.get(name)
+        epochs = [] if v is None or v["error"] else \
+            [e for e in v["epochs"] if e["epoch"] == 1] if first else steady(v)
+        shares = [(e["samples_per_second"], c) for e in epochs
+                  if (c := ceiling(results, v, e))]
+        if not shares:
+            out.append(_verdict(target, None, "not measured", name))
+            continue
+        worst = min(rate / c for rate, c in shares)
+        out.append(_verdict(target, worst >= share, ", ".join(
+            f"{rate:.0f} of {c:.0f} samples/s ({rate / c:.0%})" for rate, c in shares), name))
+    return out
+
+
 def _revalidation_verdict(results: dict) -> list[dict]:
     """Every attribute due as an epoch starts against the same with them fresh: with hints
     (the target) and through the mount alone."""
@@ -295,7 +347,8 @@ def _daemon_cpu_verdicts(results: dict) -> list[dict]:
 def evaluate(results: dict) -> list[dict]:
     """Every verdict, from the raw results alone (so a report can be redrawn from the JSON)."""
     return (_cache_verdicts(results) + _speedup_verdicts(results)
-            + _first_epoch_verdict(results) + _revalidation_verdict(results)
+            + _first_epoch_verdict(results) + _ceiling_verdicts(results)
+            + _revalidation_verdict(results)
             + _daemon_cpu_verdicts(results)
             + _fast_path_verdict(results) + _pace_verdicts(results)
             + _files_per_second_verdict(results))

@@ -95,6 +95,7 @@ def test_changed_remote_file_is_not_served_stale(source, remote, mount_cachefs):
     (source / "label.txt").write_bytes(b"version one\n")
     mount = mount_cachefs(remote.path, revalidate=1)
     assert (mount.path / "label.txt").read_bytes() == b"version one\n"
+    mount.settle()  # (where the kernel copies it in beside the reader)
     assert (mount.path / "label.txt").read_bytes() == b"version one\n"
     assert mount.metric("cachefs_file_opens_total", result="hit") == 1
 

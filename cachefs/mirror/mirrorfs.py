@@ -87,12 +87,14 @@ class Backing:
     reopened_as: tuple[str, str]  # (result, source) counted for another open sharing it
     opens: int = 0
     evicted: bool = False
+    readable: bool = True  # False: the remote's file named by path only (O_PATH)
 
     @classmethod
     def of(cls, fd: int, backing_id: int, located: Located) -> Backing:
         if located.kind == "cache":  # whatever brought it (a miss, a prefetch), now a hit
             return cls(fd, backing_id, True, ("hit", "cache"))
-        return cls(fd, backing_id, False, (located.result, located.source))
+        return cls(fd, backing_id, False, (located.result, located.source),
+                   readable=located.readable)
 
 
 @dataclass(eq=False)
@@ -357,7 +359,13 @@ class MirrorFS:
         closing = None
         with self._lock:
             passthrough = not node.served
-            if not passthrough:
+            if not passthrough and not backing.readable:
+                # Opens served here hold the node's pages, and this file cannot be read here:
+                # read through the tree instead, as they are (a race, rare).
+                if backing.opens == 0:
+                    closing = backing
+                backing = None
+            elif not passthrough:
                 # Opens served here hold the node's page cache: the kernel refuses a
                 # passthrough open beside them, so this one is served here too.
                 node.served += 1
@@ -369,11 +377,14 @@ class MirrorFS:
                     backing = node.backing
                 node.backing = backing
                 node.passthrough += 1
-            backing.opens += 1
-            fh = next(self._fhs)
-            self._handles[fh] = Handle(node, backing, passthrough)
+            if backing is not None:
+                backing.opens += 1
+                fh = next(self._fhs)
+                self._handles[fh] = Handle(node, backing, passthrough)
         if closing is not None:
             self._close_backing(closing)
+        if backing is None:
+            return self._serve(node, self.tree.read_through(node.relpath, node.attr))
         if passthrough:
             return p.open_out(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, backing.backing_id)
         return p.open_out(fh, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)

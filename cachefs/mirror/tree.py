@@ -84,6 +84,7 @@ class Located:
     source: str  # "cache", "prefetch" or "remote", as the bytes are counted
     fd: int | None = None
     handle: OpenFile | None = None
+    readable: bool = True  # False: ``fd`` names the remote's file by path only (O_PATH)
 
 
 @dataclass(eq=False)
@@ -165,10 +166,10 @@ class CachedTree:
     def locate(self, relpath: str, attr: Attr, *, fetch: bool = True,
                held: int | None = None) -> Located | None:
         """Where this open of the regular file ``relpath`` (version ``attr``) finds its bytes,
-        counted as an open.  Without ``fetch`` (the fast path), only a whole local file is
-        an answer: None (nothing counted) otherwise.  ``held``: a descriptor of this
-        version's cache file the caller kept from an earlier answer; when it is still good
-        the answer is "held"."""
+        counted as an open.  Without ``fetch`` (the fast path), only a whole local file, or
+        the remote's own file where the kernel reads it, is an answer: None (nothing
+        counted) otherwise.  ``held``: a descriptor of this version's cache file the caller
+        kept from an earlier answer; when it is still good the answer is "held"."""
         key = relpath_key(relpath)
         # Settle the prefetcher first: a prefetch into the cache that finishes now must
         # be seen by the lookup below, not fetched a second time.
@@ -201,7 +202,8 @@ class CachedTree:
             # from"), and copies a kept file into the cache beside the reader.  So may a
             # fast-path reader.
             found = self._hand_over(relpath, key, attr, admit=eligible and self.store.admitting,
-                                    underway=prefetched is not None and prefetched.underway)
+                                    underway=prefetched is not None and prefetched.underway,
+                                    for_kernel=fetch)
         if not fetch and (found is None or found.kind == "chunks"):
             return None
         if found is None:
@@ -249,18 +251,25 @@ class CachedTree:
         return not self.fetcher.origin.from_peer(relpath)
 
     def _hand_over(self, relpath: str, key: bytes, attr: Attr, *, admit: bool,
-                   underway: bool) -> Located:
-        fd, shared = self.remote_files.open_for_reader(relpath, key, attr, keep=admit)
-        if shared and underway:  # a prefetch's copy opened it: its pages are coming
-            return Located("remote", "prefetched", "prefetch", fd=fd)
-        return Located("remote", "miss", "remote", fd=fd)
+                   underway: bool, for_kernel: bool) -> Located:
+        handed = self.remote_files.open_for_reader(relpath, key, attr, keep=admit,
+                                                   for_kernel=for_kernel)
+        if handed.shared and underway:  # a prefetch's copy opened it: its pages are coming
+            return Located("remote", "prefetched", "prefetch", fd=handed.fd)
+        return Located("remote", "miss", "remote", fd=handed.fd, readable=handed.readable)
+
+    def read_through(self, relpath: str, attr: Attr) -> Located:
+        """An open read chunk by chunk through :meth:`read` (from the cache where chunks are
+        stored, the remote otherwise), whatever else is local."""
+        key = relpath_key(relpath)
+        return Located("chunks", "miss", "remote",
+                       handle=self._handle(relpath, key, attr, self.store.lookup(key)))
 
     def _miss(self, relpath: str, key: bytes, attr: Attr, *, admit: bool) -> Located:
         """A miss the daemon fetches itself: whole into the cache or a memory file (small
         files), or chunk by chunk as it is read (large ones)."""
         if attr.size > WHOLE_FETCH_BYTES:
-            return Located("chunks", "miss", "remote",
-                           handle=self._handle(relpath, key, attr, self.store.lookup(key)))
+            return self.read_through(relpath, attr)
         chunk = self.fetcher.fetch(relpath, key, attr, 0, admit=admit)
         if admit:
             record = self.store.lookup(key)

@@ -29,6 +29,7 @@ import os
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cachefs import remotewait
 from cachefs.attr import Attr, Version
@@ -45,6 +46,15 @@ FILL_THREADS = 8
 MAX_QUEUED_FILLS = 4096
 # Errors of a copy that are the cache disk's, not the remote's.
 _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
+class Handed(NamedTuple):
+    """A remote file for a reader: the descriptor (the caller's), whether it is a fill's
+    under way (its pages being fetched already), whether it can be read (not O_PATH)."""
+
+    fd: int
+    shared: bool = False
+    readable: bool = True
 
 
 @dataclass(eq=False)
@@ -88,22 +98,30 @@ class RemoteFiles:
 
     # -- for a reader ------------------------------------------------------------------------
 
-    def open_for_reader(self, relpath: str, key: bytes, attr: Attr, *, keep: bool
-                        ) -> tuple[int, bool]:
+    def open_for_reader(self, relpath: str, key: bytes, attr: Attr, *, keep: bool,
+                        for_kernel: bool = True) -> Handed:
         """A descriptor of the remote's file, version ``attr``, for a reader (the caller's to
-        close), and whether it is the open file of a fill under way (whose pages are being
-        fetched already).  With ``keep`` the file is also filled into the cache, in the
-        background."""
+        close): the kernel (``for_kernel``) or a process handed it over the control socket.
+        With ``keep`` the file is also filled into the cache, in the background.
+
+        The kernel opens the file anew for each reader it is handed to (passthrough opens
+        a backing file of its own from the one registered).  So for it a file not kept is
+        named by an O_PATH descriptor, a path walk and no NFS OPEN of ours: one OPEN per
+        miss, the kernel's.  A kept one is opened for reading, for the copy."""
         ident = (key, attr.version)
         with self._lock:
             fill = self._fills.get(ident)
             if fill is not None and fill.fd >= 0:
-                return os.dup(fill.fd), True
+                return Handed(os.dup(fill.fd), shared=True)
+        if not keep and for_kernel:
+            fd = self._remote.locate_file(relpath, attr.version)
+            self._remote.count_read(attr.size)
+            return Handed(fd, readable=False)
         fd = self._remote.open_file(relpath, attr.version)
         self._remote.count_read(attr.size)
-        if keep and fill is None:
+        if fill is None:
             self._queue_fill(relpath, key, attr, fd)
-        return fd, False
+        return Handed(fd)
 
     def open_ahead(self, relpath: str, attr: Attr) -> int:
         """A descriptor of the remote's file for a reader to come, its pages being read

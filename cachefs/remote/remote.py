@@ -172,6 +172,12 @@ class Remote:
         otherwise); the caller closes it."""
         return self.call(_open_checked, self.path(relpath), expected)
 
+    def locate_file(self, relpath: str, expected: Version) -> int:
+        """An O_PATH descriptor of the remote file (a path walk, no NFS OPEN: nothing to
+        read with, but enough for the kernel to open the very file, as passthrough does),
+        checked to be version ``expected``; the caller closes it."""
+        return self.call(_open_checked, self.path(relpath), expected, os.O_PATH)
+
     def count_read(self, nbytes: int) -> None:
         """Bytes the kernel reads from the remote on our behalf: a file handed to it, or
         copied by it into the cache (see handover.py)."""
@@ -234,8 +240,8 @@ def _dirent_type(entry: os.DirEntry) -> int:
     return stat.S_IFREG
 
 
-def _open_checked(path: str, expected: Version) -> int:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _open_checked(path: str, expected: Version, mode: int = os.O_RDONLY) -> int:
+    fd = os.open(path, mode | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if Version(st.st_size, st.st_mtime_ns) != expected:
