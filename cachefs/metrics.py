@@ -95,6 +95,10 @@ class Metrics:
         self.passthrough = Gauge(
             "cachefs_passthrough", "1 when the kernel reads local files itself (FUSE "
             "passthrough), 0 when the daemon serves every read", registry=r)
+        self.passthrough_remote = Gauge(
+            "cachefs_passthrough_remote", "1 when the kernel also reads the remote's own file "
+            "for a miss (--passthrough auto), 0 when every remote byte goes through the "
+            "daemon", registry=r)
         self.remote_errors = Counter(
             "cachefs_remote_errors", "Remote operations that failed, by kind", ["kind"],
             registry=r)

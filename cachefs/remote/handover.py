@@ -119,7 +119,7 @@ class RemoteFiles:
             return Handed(fd, readable=False)
         fd = self._remote.open_file(relpath, attr.version)
         self._remote.count_read(attr.size)
-        if fill is None:
+        if keep and fill is None:
             self._queue_fill(relpath, key, attr, fd)
         return Handed(fd)
 

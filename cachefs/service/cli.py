@@ -60,8 +60,8 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-other", action="store_true", default=None,
                         help="let other users read the mount (permissions are enforced)")
     parser.add_argument("--passthrough", help="which files the kernel reads itself where it "
-                        "can (FUSE passthrough, Linux 6.9+, as root): 'auto', local files and "
-                        "the remote's own file for a miss; 'local' (default), local files only, "
+                        "can (FUSE passthrough, Linux 6.9+, as root): 'auto' (default), local "
+                        "files and the remote's own file for a miss; 'local', local files only, "
                         "every remote byte through the daemon within --remote-timeout; 'off', "
                         "none, the daemon serves every read")
     parser.add_argument("--runtime-dir", help="directory of the control socket")

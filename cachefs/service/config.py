@@ -52,7 +52,7 @@ class Settings:
     # files and, for a miss, the remote's own file; "local", local files only (every byte
     # from the remote through the daemon, bounded by --remote-timeout); "off", none (the
     # daemon serves every read).
-    passthrough: str = "local"
+    passthrough: str = "auto"
     log_file: Path | None = None
     runtime_dir: Path | None = None
     # The cluster tier (cachefs/peer): off unless peers are given.

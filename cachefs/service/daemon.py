@@ -221,6 +221,7 @@ class Daemon:
         else:
             self.data_path = f"served by the daemon: passthrough {connection.passthrough_note}"
         self.metrics.passthrough.set(1 if connection.passthrough else 0)
+        self.metrics.passthrough_remote.set(1 if self.remote_files.enabled else 0)
         log.info("serving %s at %s; data path: %s", self.settings.backing,
                  self.settings.mountpoint, self.data_path)
         report_ready()

@@ -523,8 +523,9 @@ class CacheStore:
             self._reserved_bytes -= need
 
     def _wrote(self) -> None:
-        """A write went through: a pause after a write error is over."""
-        if self._write_error is not None:
+        """A write went through: once a pause after a write error has run out, it is over.
+        (A write already under way when another failed does not end the pause.)"""
+        if self._write_error is not None and time.monotonic() >= self._admission_paused_until:
             self.clear_write_error()
 
     def _write_chunk(self, key: bytes, attr: Attr, number: int, data: bytes) -> bool:
