@@ -18,7 +18,8 @@ A fill that cannot be queued (too many waiting) is skipped: the file is filled a
 open.
 
 Thread safety: ``_lock`` guards ``_fills``, each fill's ``fd`` and ``_queued`` (a leaf lock,
-never held across a call on the remote).
+never held across a call on the remote); ``_done``, a condition on it, tells waiters that a
+fill ended.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from cachefs import remotewait
@@ -66,7 +67,6 @@ class _Fill:
     key: bytes
     attr: Attr
     fd: int = -1
-    done: threading.Event = field(default_factory=threading.Event)
     # Its bytes are counted as read from the remote already (a reader's, whose pages the
     # copy shares); else the copy counts them.
     counted: bool = False
@@ -83,6 +83,7 @@ class RemoteFiles:
         self._store = store
         self._on_fill = on_fill
         self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)  # notified as each fill ends
         self._fills: dict[tuple[bytes, Version], _Fill] = {}
         self._queue: queue.SimpleQueue[_Fill | None] = queue.SimpleQueue()
         self._queued = 0
@@ -159,8 +160,10 @@ class RemoteFiles:
             self._finish(fill)
 
     def _wait(self, fill: _Fill) -> None:
-        with remotewait.waiting(remote_call=False):
-            fill.done.wait(self._remote.timeout_seconds + 1.0)
+        ident = (fill.key, fill.attr.version)
+        with remotewait.waiting(remote_call=False), self._done:
+            self._done.wait_for(lambda: self._fills.get(ident) is not fill,
+                                self._remote.timeout_seconds + 1.0)
 
     def _queue_fill(self, relpath: str, key: bytes, attr: Attr, reader_fd: int) -> None:
         ident = (key, attr.version)
@@ -217,9 +220,9 @@ class RemoteFiles:
             if self._fills.get((fill.key, fill.attr.version)) is fill:
                 del self._fills[(fill.key, fill.attr.version)]
             fd, fill.fd = fill.fd, -1
+            self._done.notify_all()
         if fd >= 0:
             os.close(fd)
-        fill.done.set()
 
     @property
     def fills_under_way(self) -> int:

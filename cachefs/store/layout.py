@@ -29,6 +29,7 @@ import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import xxhash
 
@@ -51,6 +52,19 @@ def allocated_bytes(st: os.stat_result) -> int:
     return max(st.st_blocks * 512, -(-st.st_size // BLOCK_BYTES) * BLOCK_BYTES)
 
 
+class NewFile(NamedTuple):
+    """A data file being written under tmp/: its descriptor, its path, where it goes."""
+
+    fd: int
+    tmp: str
+    final: str
+
+    @property
+    def fan(self) -> str:
+        """The fan-out directory it goes into (``ab`` of ``data/ab/cdef...``)."""
+        return self.final[-33:-31]
+
+
 class CacheLayout:
     """Paths and atomic file operations under one cache dir.  Thread safety: stateless."""
 
@@ -61,6 +75,7 @@ class CacheLayout:
         self.data_dir = root / "data"
         self.tmp_dir = root / "tmp"
         self._data_prefix = f"{self.data_dir}/"  # chunk paths are built on every read
+        self._tmp_prefix = f"{self.tmp_dir}/"
         self._lock_fd: int | None = None
 
     # -- opening -------------------------------------------------------------------------
@@ -154,47 +169,46 @@ class CacheLayout:
 
     def write_whole(self, key: bytes, data: bytes | memoryview) -> int:
         """Store ``data`` as the whole data file, atomically; returns the bytes allocated."""
-        fd, tmp = self.create_tmp(key)
+        new = self.create_tmp(key)
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view) :]
-            allocated = allocated_bytes(os.fstat(fd))
+                view = view[os.write(new.fd, view) :]
+            allocated = allocated_bytes(os.fstat(new.fd))
         except BaseException:
-            os.close(fd)
-            _unlink_quietly(tmp)
+            os.close(new.fd)
+            self.discard(new)
             raise
-        os.close(fd)
-        self.install_tmp(tmp, key)
+        os.close(new.fd)
+        self.install(new)
         return allocated
 
-    def create_tmp(self, key: bytes) -> tuple[int, str]:
-        """A new file under tmp/ for the whole data file of ``key``: (descriptor open for
-        reading and writing, its path).  The caller fills it, then installs or discards it."""
-        # Unique per thread: two fills of one key must not write the same temporary file.
-        tmp = os.path.join(self.tmp_dir,
-                           f"{os.path.basename(self.data_path(key))}.{threading.get_ident()}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        return fd, tmp
-
-    def install_tmp(self, tmp: str, key: bytes) -> None:
-        """Rename a filled temporary file into place as the data file of ``key``."""
+    def create_tmp(self, key: bytes) -> NewFile:
+        """A new file under tmp/ for the whole data file of ``key``, open for reading and
+        writing.  The caller fills it, closes it, then installs or discards it."""
         final = self.data_path(key)
+        # Unique per thread: two fills of one key must not write the same temporary file.
+        tmp = f"{self._tmp_prefix}{final[-30:]}.{threading.get_ident()}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        return NewFile(fd, tmp, final)
+
+    def install(self, new: NewFile) -> None:
+        """Rename a filled temporary file into place as its data file."""
         try:
             try:
-                os.replace(tmp, final)
+                os.replace(new.tmp, new.final)
             except FileNotFoundError:
                 # The first file of this fan-out directory; another thread may be
                 # creating it at the same moment.
-                os.makedirs(os.path.dirname(final), 0o700, exist_ok=True)
-                os.replace(tmp, final)
+                os.makedirs(os.path.dirname(new.final), 0o700, exist_ok=True)
+                os.replace(new.tmp, new.final)
         except BaseException:
-            _unlink_quietly(tmp)
+            _unlink_quietly(new.tmp)
             raise
 
     @staticmethod
-    def discard_tmp(tmp: str) -> None:
-        _unlink_quietly(tmp)
+    def discard(new: NewFile) -> None:
+        _unlink_quietly(new.tmp)
 
     def write_at(self, key: bytes, offset: int, data: bytes | memoryview) -> int:
         """Write ``data`` at ``offset`` of a data file written piecemeal (created sparse when
@@ -252,7 +266,11 @@ class CacheLayout:
     def fan_dir_bytes_of(self, key: bytes) -> tuple[str, int]:
         """(fan-out directory name, its bytes) for the directory holding ``key``'s data."""
         fan = self.data_name(key)[:2]
-        return fan, allocated_bytes(os.stat(os.path.join(self.data_dir, fan)))
+        return fan, self.fan_bytes(fan)
+
+    def fan_bytes(self, fan: str) -> int:
+        """The bytes of the fan-out directory ``fan`` (directories grow with their entries)."""
+        return allocated_bytes(os.stat(os.path.join(self.data_dir, fan)))
 
     # -- whole-directory walks (startup, verify) -----------------------------------------
 

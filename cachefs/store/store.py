@@ -43,7 +43,7 @@ from cachefs.attr import Attr, Version
 from cachefs.errors import CacheCorrupt, CacheUnavailable
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.index import CacheIndex, ChunkRecord, FileRecord, chunk_key, data_key, split_key
-from cachefs.store.layout import BLOCK_BYTES, CacheLayout, allocated_bytes
+from cachefs.store.layout import BLOCK_BYTES, CacheLayout, NewFile, allocated_bytes
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ ADMISSION_RETRY_SECONDS = 60.0
 INLINE_VERIFY_BYTES = 16 * 2**20
 # How often the index's size on disk is measured (it grows by records between).
 INDEX_MEASURE_SECONDS = 0.5
+# A fan-out directory's size is measured again after this many files written into it.
+FAN_MEASURE_EVERY = 16
 
 _checksum = xxhash.xxh3_64_intdigest
 # What a fill thread reads a copy through to hash it (one buffer per thread, reused).
@@ -85,6 +87,35 @@ def chunk_span(size: int, number: int) -> tuple[int, int]:
 def _describe(exc: OSError) -> str:
     """``No space left on device (ENOSPC)``: the words and the name an operator searches."""
     return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
+
+
+def _checksums_of(fd: int, size: int) -> list[int]:
+    """The checksum of each chunk of the ``size`` bytes the file behind ``fd`` holds (the pages
+    just written), read piecewise into a buffer this thread reuses.  (A map of the file would
+    copy nothing, but costs three times as much for a 64 KiB file: the map, its page faults
+    and the unmap, which must reach every core a thread of the daemon runs on.)"""
+    buffer = getattr(_reading, "buffer", None)
+    if buffer is None:
+        buffer = _reading.buffer = memoryview(bytearray(HASH_BUFFER_BYTES))
+    checksums = []
+    for number in range(chunk_count(size)):
+        offset, length = chunk_span(size, number)
+        if length <= HASH_BUFFER_BYTES:
+            got = os.preadv(fd, [buffer[:length]], offset)
+            if got != length:
+                raise CacheCorrupt(f"the copy holds {got} bytes of chunk {number}")
+            checksums.append(_checksum(buffer[:length]))
+            continue
+        hasher = xxhash.xxh3_64()
+        end = offset + length
+        while offset < end:
+            got = os.preadv(fd, [buffer[:min(HASH_BUFFER_BYTES, end - offset)]], offset)
+            if got <= 0:
+                raise CacheCorrupt(f"the copy ends inside chunk {number}")
+            hasher.update(buffer[:got])
+            offset += got
+        checksums.append(hasher.intdigest())
+    return checksums
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -120,8 +151,10 @@ class CacheStore:
     Thread safety: reading chunks takes no lock (records are immutable values, a file of
     one chunk is replaced atomically, and chunks of a larger file are checked against their
     checksums).  ``_lock`` guards the space account (``_data_bytes``, ``_reserved_bytes``,
-    ``_fan_bytes``, ``_index_bytes``), ``_complete_files`` and every read-modify-write of a
-    file record.  ``_verified`` is a dict changed by single operations.
+    ``_fan_bytes``, ``_fan_total``, ``_index_bytes``), ``_complete_files`` and every
+    read-modify-write of a file record.  ``_verified`` is a dict changed by single
+    operations; ``_fan_writes`` counts without a lock (a lost count only moves when a
+    directory is measured next).
     """
 
     def __init__(
@@ -147,6 +180,8 @@ class CacheStore:
         self._data_bytes = 0
         self._reserved_bytes = 0
         self._fan_bytes: dict[str, int] = {}
+        self._fan_total = 0  # the sum of _fan_bytes
+        self._fan_writes: dict[str, int] = {}  # files a fill wrote into each, this process
         self._index_bytes = 0
         self._index_measured_at = 0.0
         self._fixed_bytes = 0
@@ -212,7 +247,7 @@ class CacheStore:
 
     def _used_locked(self) -> int:
         return (self._data_bytes + self._index_bytes + self._fixed_bytes
-                + sum(self._fan_bytes.values()))
+                + self._fan_total)
 
     @property
     def complete_files(self) -> int:
@@ -389,9 +424,9 @@ class CacheStore:
     def fill(self, key: bytes, attr: Attr, copy: Callable[[int], None]) -> bool:
         """Store the whole file at ``key`` (version ``attr``), its bytes written by
         ``copy(fd)`` into a new file: the kernel's copy of the remote's own file (sendfile),
-        no byte of it through Python.  The checksums are then computed over a map of the
-        written file, and only then is it renamed into place and indexed, so a fill that
-        fails or is cut short (a crash) leaves nothing indexed.
+        no byte of it through Python.  The checksums are then computed from the written
+        file, and only then is it renamed into place and indexed, so a fill that fails or is
+        cut short (a crash) leaves nothing indexed.
 
         Returns False, storing nothing, when the file is not eligible, does not fit or the
         disk refuses writes (admission pauses).  What ``copy`` raises otherwise (the remote
@@ -400,69 +435,38 @@ class CacheStore:
         need = self._reserve(key, attr, attr.size)
         if not need:
             return False
-        dkey = data_key(key, attr.version)
         try:
             try:
-                fd, tmp = self.layout.create_tmp(dkey)
+                new = self.layout.create_tmp(data_key(key, attr.version))
             except OSError as exc:
                 self._pause_admission(exc)
                 return False
             try:
-                copy(fd)  # the remote's errors go to the caller
-                checksums = self._checksums_of(fd, attr.size)
-                allocated = allocated_bytes(os.fstat(fd))
+                copy(new.fd)  # the remote's errors go to the caller
+                st = os.fstat(new.fd)
+                if st.st_size != attr.size:  # the copier's fault, not the disk's: no pause
+                    raise CacheCorrupt(f"the copy wrote {st.st_size} bytes, not {attr.size}")
+                checksums = _checksums_of(new.fd, attr.size)
             except CacheUnavailable as exc:  # the copy met the cache disk's refusal
-                self.layout.discard_tmp(tmp)
+                self.layout.discard(new)
                 self._pause_admission(exc.__cause__ or OSError(errno.EIO, str(exc)))
                 return False
             except BaseException:
-                self.layout.discard_tmp(tmp)
+                self.layout.discard(new)
                 raise
             finally:
-                os.close(fd)
+                os.close(new.fd)
             try:
-                return self._install_fill(key, attr, tmp, dkey, checksums, allocated)
+                return self._install_fill(key, attr, new, checksums, allocated_bytes(st))
             except (OSError, sqlite3.Error) as exc:
-                self.layout.discard_tmp(tmp)
+                self.layout.discard(new)
                 self._pause_admission(exc)
                 return False
         finally:
             self._unreserve(need)
 
-    def _checksums_of(self, fd: int, size: int) -> list[int]:
-        """The checksum of each chunk of the ``size`` bytes the file behind ``fd`` holds (the
-        pages just written), read piecewise into a buffer this thread reuses.  (A map of the
-        file would copy nothing, but costs three times as much for a 64 KiB file: the map,
-        its page faults and the unmap, which must reach every core a thread of the daemon
-        runs on.)"""
-        written = os.fstat(fd).st_size
-        if written != size:  # the copier's fault, not the disk's: no pause
-            raise CacheCorrupt(f"the copy wrote {written} bytes, not {size}")
-        buffer = getattr(_reading, "buffer", None)
-        if buffer is None:
-            buffer = _reading.buffer = memoryview(bytearray(HASH_BUFFER_BYTES))
-        checksums = []
-        for number in range(chunk_count(size)):
-            offset, length = chunk_span(size, number)
-            if length <= HASH_BUFFER_BYTES:
-                got = os.preadv(fd, [buffer[:length]], offset)
-                if got != length:
-                    raise CacheCorrupt(f"the copy holds {got} bytes of chunk {number}")
-                checksums.append(_checksum(buffer[:length]))
-                continue
-            hasher = xxhash.xxh3_64()
-            end = offset + length
-            while offset < end:
-                got = os.preadv(fd, [buffer[:min(HASH_BUFFER_BYTES, end - offset)]], offset)
-                if got <= 0:
-                    raise CacheCorrupt(f"the copy ends inside chunk {number}")
-                hasher.update(buffer[:got])
-                offset += got
-            checksums.append(hasher.intdigest())
-        return checksums
-
-    def _install_fill(self, key: bytes, attr: Attr, tmp: str, dkey: bytes,
-                      checksums: list[int], allocated: int) -> bool:
+    def _install_fill(self, key: bytes, attr: Attr, new: NewFile, checksums: list[int],
+                      allocated: int) -> bool:
         """Rename a filled file into place and index it whole, replacing any other version
         or partial fill of it; True when the file is now cached.  The rename and the stats
         happen outside the lock: fills of other files go on meanwhile (one fill per file
@@ -472,16 +476,17 @@ class CacheStore:
             record = self.index.get_file(key)
             if record is not None and record.version == attr.version \
                     and self.is_complete(record):
-                self.layout.discard_tmp(tmp)  # another fill was first
+                self.layout.discard(new)  # another fill was first
                 return True
             if record is not None:  # another version, or chunks of this one: replaced whole
                 self._drop_locked(key, record)
                 if record.version != attr.version:
                     replaced = record
-        self.layout.install_tmp(tmp, dkey)
+        self.layout.install(new)
         # The bytes were hashed as they lie on the disk: verified for the first hand-over.
-        identity = _identity(os.stat(self.layout.data_path(dkey)))
-        fan, fan_bytes = self.layout.fan_dir_bytes_of(dkey)
+        identity = _identity(os.stat(new.final))
+        fan = new.fan
+        fan_bytes = self._fan_bytes_after_a_write(fan)
         single = len(checksums) == 1
         with self._lock:
             if not single:
@@ -493,12 +498,27 @@ class CacheStore:
             self._complete_files += 1
             self._data_bytes += allocated
             self._verified[key] = (attr.version, identity)
-            self._fan_bytes[fan] = fan_bytes
+            if fan_bytes is not None:
+                self._set_fan_bytes_locked(fan, fan_bytes)
             self._measure_index_locked()
         if replaced is not None:
             self.on_dropped(key, replaced.version)
         self._wrote()
         return True
+
+    def _set_fan_bytes_locked(self, fan: str, nbytes: int) -> None:
+        self._fan_total += nbytes - self._fan_bytes.get(fan, 0)
+        self._fan_bytes[fan] = nbytes
+
+    def _fan_bytes_after_a_write(self, fan: str) -> int | None:
+        """The fan-out directory's bytes, measured after every FAN_MEASURE_EVERY-th file
+        written into it (None between): a directory grows by a block every hundred names or
+        so, which FILL_HEADROOM_BYTES covers meanwhile, and a stat per fill is not free."""
+        writes = self._fan_writes.get(fan, 0)
+        self._fan_writes[fan] = writes + 1
+        if writes % FAN_MEASURE_EVERY and fan in self._fan_bytes:
+            return None
+        return self.layout.fan_bytes(fan)
 
     def _reserve(self, key: bytes, attr: Attr, size: int) -> int:
         """Hold room for ``size`` more bytes of the file at ``key``: the bytes held (0 when
@@ -560,7 +580,7 @@ class CacheStore:
             self.index.put_file(key, record)
             if single:
                 self._verified[key] = (attr.version, identity)
-            self._fan_bytes[fan] = fan_bytes
+            self._set_fan_bytes_locked(fan, fan_bytes)
             self._measure_index_locked()
         if replaced is not None:
             self.on_dropped(key, replaced.version)
@@ -738,6 +758,7 @@ class CacheStore:
             self._complete_files = report.complete_files
             self._fixed_bytes = self.layout.fixed_bytes()
             self._fan_bytes = self.layout.fan_dir_bytes()
+            self._fan_total = sum(self._fan_bytes.values())
             self._measure_index_locked(force=True)
             self._full = False
         if fix:
