@@ -74,6 +74,9 @@ class Metrics:
             "cannot fall below (1 - fraction) of the dataset without hints", registry=r)
         self.cache_files = Gauge(
             "cachefs_cache_files", "Files stored whole in the cache", registry=r)
+        self.cache_reconciling = Gauge(
+            "cachefs_cache_reconciling", "1 while the cache is reconciled with its index in the "
+            "background after a crash (nothing new is admitted meanwhile)", registry=r)
         self.cache_admitting = Gauge(
             "cachefs_cache_admitting",
             "1 while new files are being admitted; 0 when the budget is used or the disk "

@@ -107,9 +107,12 @@ def test_every_reader_gets_the_remote_bytes_and_the_daemon_moves_none(
         assert mount.metric("cachefs_file_opens_total", result="hit") == len(files)
     else:
         assert mount.status()["cache_files"] == 0
-    if reader != "o_direct":  # O_DIRECT bypasses the NFS client's pages, as it does on NFS
-        # The reader and the copy shared the remote file's pages: read from it once.
-        assert remote.stats()["read_bytes"] - read_before == sum(map(len, files.values()))
+    if fraction and reader != "o_direct":  # (O_DIRECT bypasses the NFS client's pages)
+        # The reader and the copy shared the remote file's pages: read from it once, not
+        # twice.  (A page the machine's memory reclaim dropped between the two is read again:
+        # hence not exactly once on a busy machine.)
+        total = sum(map(len, files.values()))
+        assert total <= remote.stats()["read_bytes"] - read_before < 1.5 * total
     assert mount.metric("cachefs_remote_read_bytes_total") == sum(map(len, files.values()))
 
 

@@ -31,6 +31,14 @@ def _data_path(st: dict) -> str:
     return st.get("data_path") or "unknown (the daemon does not say)"
 
 
+def _verification(v: dict) -> str:
+    done = f"{v['files']:,} files ({format_bytes(v['bytes'])}) checked in the background"
+    if v["running"]:
+        return done + ", going on" + ("" if v["trusted"] else
+                                      "; the others are checked as they are opened")
+    return done + ("" if v["trusted"] else "; stopped")
+
+
 def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
     """The title line and the (label, value) rows that ``cachefs status`` shows."""
     opens = st["file_opens"]
@@ -39,6 +47,8 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
     used = st["cache_bytes"]
     if st.get("cache_write_error"):
         admitting = f"not admitting: disk refused a write ({st['cache_write_error']})"
+    elif st.get("reconciling"):
+        admitting = "reconciling with its index after a crash: not admitting yet"
     elif st["admitting"]:
         admitting = "admitting"
     else:
@@ -64,6 +74,9 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                    + f"{format_bytes(read['remote'])} from remote"),
         ("remote read", format_bytes(st["remote_read_bytes"])),
     ]
+    verification = st.get("verification")
+    if verification:
+        rows.append(("verified", _verification(verification)))
     cluster = st.get("cluster")
     if cluster:
         fetches = cluster["fetches"]

@@ -327,7 +327,7 @@ class MirrorFS:
             # Passthrough opens of this node are live: the kernel insists on their backing.
             self.tree.count_open(*live.reopened_as, attr.size)
             return self._reply_passthrough(node, live)
-        located = self.tree.locate(node.relpath, attr, held=held.fd if held else None)
+        located = self.tree.locate(node.relpath, attr, held=held is not None)
         backing = self._backing_for(node, located, held)
         if backing is None:
             return self._serve(node, located)
@@ -395,7 +395,7 @@ class MirrorFS:
         held_key = (node.relpath, attr.version)
         with self._lock:
             held = self._held.get_locked(held_key)
-        located = self.tree.locate(node.relpath, attr, held=held.fd if held else None)
+        located = self.tree.locate(node.relpath, attr, held=held is not None)
         if located.kind == "held":
             backing = held
         elif located.kind == "chunks":

@@ -164,12 +164,12 @@ class CachedTree:
     # -- open ------------------------------------------------------------------------------
 
     def locate(self, relpath: str, attr: Attr, *, fetch: bool = True,
-               held: int | None = None) -> Located | None:
+               held: bool = False) -> Located | None:
         """Where this open of the regular file ``relpath`` (version ``attr``) finds its bytes,
         counted as an open.  Without ``fetch`` (the fast path), only a whole local file, or
         the remote's own file where the kernel reads it, is an answer: None (nothing
-        counted) otherwise.  ``held``: a descriptor of this version's cache file the caller
-        kept from an earlier answer; when it is still good the answer is "held"."""
+        counted) otherwise.  ``held``: the caller kept this version's cache file from an
+        earlier answer; when it is still good the answer is "held"."""
         key = relpath_key(relpath)
         # Settle the prefetcher first: a prefetch into the cache that finishes now must
         # be seen by the lookup below, not fetched a second time.
@@ -219,8 +219,8 @@ class CachedTree:
             self._read_bytes[source].inc(handed_bytes)
 
     def _cached(self, relpath: str, key: bytes, attr: Attr, record: FileRecord,
-                held: int | None, result: str, source: str) -> Located | None:
-        if held is not None and self.store.still_verified(key, attr.version, held):
+                held: bool, result: str, source: str) -> Located | None:
+        if held and self.store.still_good(key, record):
             return Located("held", result, source)
         fd = self.store.local_file(key, record)
         if fd is not None:

@@ -125,6 +125,7 @@ class Daemon:
             m.bind_gauge(m.cache_bytes, lambda: store.used_bytes)
             m.bind_gauge(m.cache_files, lambda: store.complete_files)
             m.bind_gauge(m.cache_admitting, lambda: float(store.admitting))
+            m.bind_gauge(m.cache_reconciling, lambda: float(store.reconciling))
             if s.metrics_addr is not None:
                 self.metrics_port = m.serve(s.metrics_addr)
             self.remote = Remote(
@@ -278,6 +279,8 @@ class Daemon:
             "cache_capacity_bytes": s.cache_size_bytes,
             "cache_files": int(m.value("cachefs_cache_files")),
             "admitting": bool(m.value("cachefs_cache_admitting")),
+            "reconciling": self.store.reconciling if self.store else False,
+            "verification": self.store.scrub_figures() if self.store else None,
             "cache_write_error": self.store.write_error if self.store else None,
             "integrity_failures": int(m.value("cachefs_integrity_failures_total")),
             "remote_available": bool(m.value("cachefs_remote_available")),

@@ -49,6 +49,11 @@ class FractionAdmission:
         drops the files it no longer admits)."""
         return self.eligible(relpath)
 
+    def describe(self) -> str:
+        """What decides which cached files stay: when it differs at the next start, the
+        cache is reconciled with it (keeps_cached)."""
+        return f"fraction {self.fraction!r} seed {self.seed}"
+
 
 class ClusterAdmission(FractionAdmission):
     """In a cluster (cachefs/peer), the files this node owns first.
@@ -75,6 +80,9 @@ class ClusterAdmission(FractionAdmission):
         return self._bounds[1], self._bounds[2]
 
     holds_others = True
+
+    def describe(self) -> str:
+        return "cluster"  # keeps every file it holds, whoever owns it
 
     def keeps_cached(self, relpath: str) -> bool:
         """Every file: the node list at start may be partial (DNS lists nodes as they come

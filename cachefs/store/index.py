@@ -33,11 +33,16 @@ from typing import NamedTuple
 import diskcache
 
 from cachefs.attr import Attr, Version
+from cachefs.store.presence import KeyFilter
 
 _ABSENT = object()
 
-# size, mtime_ns, mode, uid, gid, nlink, atime_ns, ctime_ns, stored chunks, checksum of chunk 0
-_FILE = struct.Struct("<qqIIIQqqIQ")
+# size, mtime_ns, mode, uid, gid, nlink, atime_ns, ctime_ns, stored chunks, checksum of chunk 0,
+# then the data file as its bytes were last checked: inode, mtime_ns, ctime_ns.  Records
+# written before the last three were added read as never checked.
+_FILE = struct.Struct("<qqIIIQqqIQQqq")
+_FILE_UNCHECKED = struct.Struct("<qqIIIQqqIQ")
+UNCHECKED = (0, 0, 0)
 # checksum, length
 _CHUNK = struct.Struct("<QI")
 # Records kept in memory: about 200 bytes each, so some 50 MiB at most.
@@ -65,6 +70,10 @@ class FileRecord(NamedTuple):
     stored_chunks: int
     # Checksum of the only chunk of a single-chunk file, saving a second lookup per open.
     first_checksum: int
+    # The data file when its bytes were last found to match the checksums (hashed as they
+    # were written, or verified): (inode, mtime_ns, ctime_ns), as anything that writes to it
+    # or puts another file in its place changes them.  UNCHECKED when not known.
+    checked_as: tuple[int, int, int] = UNCHECKED
 
     @property
     def version(self) -> Version:
@@ -114,8 +123,10 @@ class CacheIndex:
 
     def __init__(self, directory: Path) -> None:
         self._cache = diskcache.Cache(str(directory), **INDEX_SETTINGS)
-        _share_one_connection(self._cache)
+        self._con = _share_one_connection(self._cache)
         self._db_lock = threading.RLock()
+        # Which file keys the index may hold (presence.py); None: unknown, ask the database.
+        self.present: KeyFilter | None = None
         self._memo: dict[bytes, bytes | None] = {}  # None: not in the index
         # Written or deleted (None) and not yet committed: newer than the database.
         self._pending: dict[bytes, bytes | None] = {}
@@ -125,6 +136,7 @@ class CacheIndex:
         # Told when a commit fails (the disk refuses writes): the store pauses admission.
         self.on_flush_error: Callable[[sqlite3.Error], None] = lambda exc: None
         self._closed = False
+        self.failed = False  # a commit failed and was not redone: records may be missing
         self._flusher = threading.Thread(target=self._flush_loop, name="index-flush",
                                          daemon=True)
         self._flusher.start()
@@ -137,20 +149,25 @@ class CacheIndex:
             try:
                 self.flush()
             except sqlite3.Error as exc:  # the check at the next start forgets the orphans
+                self.failed = True
                 self.on_flush_error(exc)
             self._cache.close()
 
-    def _get(self, key: bytes) -> bytes | None:
+    def _get(self, key: bytes, *, file_key: bool = False) -> bytes | None:
         pending = self._pending.get(key, _ABSENT)
         if pending is not _ABSENT:
             return pending
         raw = self._memo.get(key, _ABSENT)
         if raw is not _ABSENT:
             return raw
+        present = self.present
+        if file_key and present is not None and key not in present:
+            return None  # never written: no query
         with self._memo_lock:
             writes = self._writes
         with self._db_lock:
-            raw = self._cache.get(key)
+            row = self._con.execute(_SELECT, (key,)).fetchone()
+        raw = None if row is None else row[0]
         with self._memo_lock:
             if self._writes == writes:
                 # Absent keys too (None): a miss asks for its key several times before
@@ -158,13 +175,15 @@ class CacheIndex:
                 self._remember_locked(key, raw)
         return raw
 
-    def _set(self, key: bytes, raw: bytes | None) -> None:
+    def _set(self, key: bytes, raw: bytes | None, *, file_key: bool = False) -> None:
         """Write ``raw`` under ``key`` (None deletes it): visible at once, committed by the
         flusher with the writes around it."""
         with self._memo_lock:
             self._writes += 1
             self._pending[key] = raw
             self._memo.pop(key, None)
+            if file_key and raw is not None and self.present is not None:
+                self.present.add(key)
             full = len(self._pending) >= FLUSH_RECORDS
         if full:
             self._flush_wanted.set()
@@ -204,11 +223,8 @@ class CacheIndex:
         self._memo[key] = raw
 
     def get_file(self, key: bytes) -> FileRecord | None:
-        raw = self._get(key)
-        if raw is None:
-            return None
-        f = _FILE.unpack(raw)
-        return FileRecord(Attr(f[2], f[0], f[3], f[4], f[5], f[6], f[1], f[7]), f[8], f[9])
+        raw = self._get(key, file_key=True)
+        return None if raw is None else self.file_record(raw)
 
     def put_file(self, key: bytes, record: FileRecord) -> None:
         a = record.attr
@@ -216,8 +232,9 @@ class CacheIndex:
             key,
             _FILE.pack(
                 a.size, a.mtime_ns, a.mode, a.uid, a.gid, a.nlink, a.atime_ns, a.ctime_ns,
-                record.stored_chunks, record.first_checksum,
+                record.stored_chunks, record.first_checksum, *record.checked_as,
             ),
+            file_key=True,
         )
 
     def get_chunk(self, key: bytes) -> ChunkRecord | None:
@@ -230,11 +247,42 @@ class CacheIndex:
     def delete(self, key: bytes) -> None:
         self._set(key, None)
 
-    def all_keys(self) -> Iterator[bytes]:
-        """Every key, file and chunk records alike (a snapshot; safe to delete while iterating)."""
+    @property
+    def empty(self) -> bool:
+        """No record committed (a new cache)."""
         with self._db_lock:
-            self.flush()
-            return iter(list(self._cache.iterkeys()))
+            return self._con.execute("SELECT 1 FROM Cache LIMIT 1").fetchone() is None
+
+    def all_keys(self) -> Iterator[bytes]:
+        """Every key, file and chunk records alike, committed ones (call flush first for the
+        rest), in batches: safe to write and delete meanwhile (a key written meanwhile may or
+        may not be seen)."""
+        for batch in self.batches():
+            for key, _raw in batch:
+                yield key
+
+    def batches(self, size: int = 4096) -> Iterator[list[tuple[bytes, bytes]]]:
+        """(key, packed record) of every committed record, ``size`` at a time, in the order
+        they were first written; the database lock is held for one batch at a time only."""
+        after = 0
+        while True:
+            with self._db_lock:
+                rows = self._con.execute(_BATCH, (after, size)).fetchall()
+            if not rows:
+                return
+            after = rows[-1][0]
+            yield [(key, raw) for _rowid, key, raw in rows]
+
+    @staticmethod
+    def file_record(raw: bytes) -> FileRecord:
+        """The file record packed in ``raw`` (a value :meth:`batches` gives)."""
+        if len(raw) == _FILE.size:
+            f = _FILE.unpack(raw)
+            checked = (f[10], f[11], f[12])
+        else:
+            f, checked = _FILE_UNCHECKED.unpack(raw), UNCHECKED
+        return FileRecord(Attr(f[2], f[0], f[3], f[4], f[5], f[6], f[1], f[7]), f[8], f[9],
+                          checked)
 
     def __len__(self) -> int:
         with self._db_lock:
@@ -242,7 +290,14 @@ class CacheIndex:
             return len(self._cache)
 
 
-def _share_one_connection(cache: diskcache.Cache) -> None:
+# diskcache keeps bytes keys and values up to disk_min_file_size in its Cache table, "raw";
+# asked directly, a record costs a third of diskcache's own get.
+_SELECT = "SELECT value FROM Cache WHERE key = ? AND raw = 1"
+_BATCH = ("SELECT rowid, key, value FROM Cache WHERE rowid > ? AND raw = 1 "
+          "ORDER BY rowid LIMIT ?")
+
+
+def _share_one_connection(cache: diskcache.Cache) -> sqlite3.Connection:
     """Make every thread use one SQLite connection to the index.
 
     diskcache keeps a connection per thread.  libfuse's worker threads are not
@@ -269,3 +324,4 @@ def _share_one_connection(cache: diskcache.Cache) -> None:
     for key, value in shared.con.execute("SELECT key, value FROM Settings").fetchall():
         if key.startswith("sqlite_"):
             cache.reset(key, value, update=False)
+    return shared.con

@@ -20,6 +20,7 @@ admissions cheap.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import logging
@@ -45,6 +46,9 @@ MARKER_NAME = "cachefs-cache.json"
 # Allocation granularity assumed when the filesystem has not yet told us
 # (delayed allocation); st_blocks is used when it is larger.
 BLOCK_BYTES = 4096
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def allocated_bytes(st: os.stat_result) -> int:
@@ -227,6 +231,25 @@ class CacheLayout:
                 written = os.pwrite(fd, view, offset)
                 view, offset = view[written:], offset + written
             return max(0, allocated_bytes(os.fstat(fd)) - before)
+        finally:
+            os.close(fd)
+
+    def sync(self) -> None:
+        """Every byte written to the cache's file system, on the disk (syncfs(2))."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if _libc.syncfs(fd) != 0:
+                code = ctypes.get_errno()
+                raise OSError(code, os.strerror(code))
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def sync_dir(path: Path) -> None:
+        """A directory's entries (a rename, an unlink in it) on the disk."""
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
         finally:
             os.close(fd)
 

@@ -8,12 +8,18 @@ Two ways to read a cached file:
 
 - chunk by chunk (:meth:`CacheStore.read_chunk`), each chunk verified as it is read;
 - whole, as a descriptor handed to the kernel or a client that reads it without us
-  (:meth:`CacheStore.local_file`).  Such a file is verified against every checksum before
-  its first hand-over in this process, and again whenever its inode, size, mtime or ctime
-  changed since (anything that wrote to it).  Small files are verified on the spot; larger
-  ones by a background thread, and are read chunk by chunk until then.
+  (:meth:`CacheStore.local_file`).  Such a file is handed over when its record says its
+  bytes were checked against the checksums (hashed as they were written, or verified) while
+  it had the inode, mtime and ctime it has now (nothing has written to it since), and the
+  store trusts those records: it started after a clean stop, or the scrub (scrub.py) has
+  been over the file since.  Otherwise it is verified first: small files on the spot, larger
+  ones by a background thread (read chunk by chunk until then).
 
 A chunk or file that fails is dropped, counted and refetched by the caller.
+
+A start costs the same whatever the cache holds (reconcile.py): after a clean stop the store
+takes the account the stop left; after a crash it serves at once and reconciles the index
+with the disk in the background, admission paused until it knows its account again.
 
 The budget counts every byte the store has on disk: chunk data as allocated,
 the index files and the directories.  Admission reserves room before writing
@@ -26,7 +32,6 @@ is held.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -44,6 +49,15 @@ from cachefs.errors import CacheCorrupt, CacheUnavailable
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.index import CacheIndex, ChunkRecord, FileRecord, chunk_key, data_key, split_key
 from cachefs.store.layout import BLOCK_BYTES, CacheLayout, NewFile, allocated_bytes
+from cachefs.store.presence import KeyFilter
+from cachefs.store.reconcile import (
+    Account,
+    CheckReport,
+    leave_clean_stop,
+    reconcile,
+    take_clean_stop,
+)
+from cachefs.store.scrub import Scrubber
 
 log = logging.getLogger(__name__)
 
@@ -118,31 +132,18 @@ def _checksums_of(fd: int, size: int) -> list[int]:
     return checksums
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What changes when anything writes to a file, or puts another file in its place."""
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+def _key_hash(key: bytes) -> int:
+    return _checksum(key)
 
 
-@dataclasses.dataclass
-class CheckReport:
-    """What :meth:`CacheStore.check` found (and fixed, when asked)."""
+def _checked_as(st: os.stat_result) -> tuple[int, int, int]:
+    """What changes when anything writes to a file, or puts another file in its place (its
+    size too, which the record holds apart)."""
+    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
 
-    files: int = 0
-    complete_files: int = 0
-    chunks: int = 0
-    data_bytes: int = 0
-    chunks_verified: int = 0
-    corrupt_chunks: int = 0
-    missing_chunks: int = 0
-    orphan_files: int = 0
-    miscounted_files: int = 0
-    ineligible_files: int = 0
-    over_budget_files: int = 0
-    leftover_fills: int = 0
 
-    @property
-    def problems(self) -> int:
-        return self.corrupt_chunks + self.missing_chunks + self.orphan_files + self.miscounted_files
+class StoreClosing(Exception):
+    """Raised in a long job of the store's when it closes meanwhile."""
 
 
 class CacheStore:
@@ -152,9 +153,9 @@ class CacheStore:
     one chunk is replaced atomically, and chunks of a larger file are checked against their
     checksums).  ``_lock`` guards the space account (``_data_bytes``, ``_reserved_bytes``,
     ``_fan_bytes``, ``_fan_total``, ``_index_bytes``), ``_complete_files`` and every
-    read-modify-write of a file record.  ``_verified`` is a dict changed by single
-    operations; ``_fan_writes`` counts without a lock (a lost count only moves when a
-    directory is measured next).
+    read-modify-write of a file record.  ``_verified`` is a set changed by single operations,
+    ``_trusted`` a flag set once; ``_fan_writes`` counts without a lock (a lost count only
+    moves when a directory is measured next).
     """
 
     def __init__(
@@ -189,12 +190,19 @@ class CacheStore:
         self._full = False
         self._write_error: str | None = None
         self._admission_paused_until = 0.0
-        # key -> (version, identity of its data file) when verified whole in this process.
-        self._verified: dict[bytes, tuple[Version, tuple[int, int, int, int]]] = {}
+        # Whether records' checks are trusted (a clean start, or the scrub went over every
+        # file); until then, the keys (their 64-bit hashes) verified in this process.
+        self._trusted = False
+        self._verified: set[int] = set()
         self._to_verify: queue.SimpleQueue[tuple[bytes, FileRecord] | None] = \
             queue.SimpleQueue()
         self._verifying: set[bytes] = set()
         self._verifier: threading.Thread | None = None
+        self._scrubber: Scrubber | None = None
+        self._reconciler: threading.Thread | None = None
+        self._reconciling = False  # admission paused until the account is known
+        self._closing = False
+        self.ready = threading.Event()  # set once the account is known (reconciled)
         self.startup_report = CheckReport()
 
     @classmethod
@@ -206,36 +214,149 @@ class CacheStore:
         on_integrity_failure: Callable[[], None] = lambda: None,
         *,
         verify_data: bool = False,
+        scrub: bool = True,
     ) -> CacheStore:
-        """Prepare and lock ``cache_dir``, then reconcile it with its index (see :meth:`check`).
-
-        What the reconciliation found is kept in ``startup_report``.
-        """
+        """Prepare and lock ``cache_dir``, then learn its account: from the record of a clean
+        stop (no scan), else by reconciling it with its index, in the background unless the
+        index is empty or ``verify_data`` (``cachefs verify``) asks for every checksum, then at
+        once.  ``ready`` is set once the account is known; what the reconciliation found is
+        then in ``startup_report``.  With ``scrub``, every file is verified in the background
+        from then on (scrub.py)."""
         layout = CacheLayout(cache_dir, CHUNK_BYTES)
         layout.prepare()
         layout.lock()
         try:
             store = cls(layout, CacheIndex(layout.index_dir), capacity_bytes, admission,
                         on_integrity_failure)
-            report = store.startup_report = store.check(fix=True, verify_data=verify_data)
+            clean = None if verify_data else take_clean_stop(layout)
+            if clean is not None:
+                store._resume(*clean)
+                if clean[0].admission != admission.describe() \
+                        or store.exceeds_capacity(clean[0].data_bytes):
+                    # Files the admission no longer keeps, or more than the budget holds now:
+                    # found in the background, the records trusted all the same.
+                    store._reconcile_in_background(because="its admission or budget changed")
+            elif verify_data or store.index.empty:
+                # Nothing to distrust (a new cache), or every checksum read now.
+                store._reconcile(verify_data=verify_data)
+                store._trusted = True
+            else:
+                store._reconcile_in_background()
         except BaseException:
             layout.unlock()
             raise
-        log.info(
-            "cache %s: %d files (%d complete), %d chunks, %s of %s used",
-            cache_dir, report.files, report.complete_files, report.chunks,
-            store.used_bytes, capacity_bytes,
-        )
-        if report.problems or report.ineligible_files or report.over_budget_files:
-            log.warning("cache %s reconciled at start: %s", cache_dir, report)
+        if scrub and not verify_data:
+            store._start_scrub()
         return store
 
+    def _resume(self, account: Account, present: KeyFilter | None) -> None:
+        """After a clean stop: its account, its filter of keys, trusted records."""
+        self.layout.sweep_tmp()
+        self.index.present = present
+        with self._lock:
+            self._data_bytes = account.data_bytes
+            self._complete_files = account.complete_files
+            self._measure_directories_locked()
+            self._trusted = True
+        self.ready.set()
+        self.startup_report = CheckReport(files=account.complete_files,
+                                          complete_files=account.complete_files,
+                                          data_bytes=account.data_bytes)
+        log.info("cache %s: %d files, %s of %s used; stopped cleanly, nothing to reconcile",
+                 self.layout.root, account.complete_files, self.used_bytes,
+                 self.capacity_bytes)
+
+    def _reconcile_in_background(self, because: str = "") -> None:
+        """After a crash (or a change of admission or budget): serve now, reconcile
+        meanwhile, admission paused until then."""
+        if because:
+            log.info("cache %s: reconciling it with its index in the background, as %s; "
+                     "nothing new is admitted until then", self.layout.root, because)
+        else:
+            log.warning("cache %s did not stop cleanly: reconciling it with its index in the "
+                        "background; cached files are verified before they are handed over, "
+                        "and nothing new is admitted, until then", self.layout.root)
+        self.ready.clear()
+        self._reconciling = True
+        self._reconciler = threading.Thread(target=self._reconcile, name="reconcile",
+                                             daemon=True)
+        self._reconciler.start()
+
+    def _reconcile(self, *, verify_data: bool = False) -> None:
+        try:
+            report, present, kept = reconcile(self, fix=True, verify_data=verify_data)
+            with self._lock:
+                self._data_bytes = report.data_bytes
+                self._complete_files = report.complete_files
+                self._measure_directories_locked()
+                self._full = False
+            self.index.present = present
+            if kept:
+                report.over_budget_files = self._trim_to_capacity(kept)
+        except StoreClosing:
+            return
+        except Exception:
+            if not self._reconciling:
+                raise  # at once (a new cache, cachefs verify): the caller reports it
+            log.exception("reconciling cache %s failed: admission stays paused",
+                          self.layout.root)
+            return
+        self.startup_report = report
+        self._reconciling = False
+        self.ready.set()
+        log.info("cache %s: %d files (%d complete), %d chunks, %s of %s used",
+                 self.layout.root, report.files, report.complete_files, report.chunks,
+                 self.used_bytes, self.capacity_bytes)
+        if report.problems or report.ineligible_files or report.over_budget_files:
+            log.warning("cache %s reconciled: %s", self.layout.root, report)
+
+    def stop_if_closing(self) -> None:
+        """For a long job of the store's (reconciling): stop when the store closes."""
+        if self._closing:
+            raise StoreClosing
+
+    def _start_scrub(self) -> None:
+        def scrub_when_ready() -> None:
+            self.ready.wait()
+            if not self._closing:
+                self._scrubber = Scrubber(self, on_done=self._trust_records)
+
+        threading.Thread(target=scrub_when_ready, name="scrub-wait", daemon=True).start()
+
+    def _trust_records(self) -> None:
+        """The scrub has been over every file: records' checks are trusted from now on."""
+        self._trusted = True
+        self._verified = set()
+
     def close(self) -> None:
+        self._closing = True
+        self.ready.set()  # a scrub waiting for it goes
+        if self._reconciler is not None:
+            self._reconciler.join()  # it stops at its next batch
+        if self._scrubber is not None:
+            self._scrubber.close()
         if self._verifier is not None:
             self._to_verify.put(None)
             self._verifier.join(5)
         self.index.close()
+        # Not after a reconciliation left unfinished, nor after the disk refused a write (the
+        # index may miss records): the next start reconciles, as after a crash.
+        if not self._reconciling and self._write_error is None and not self.index.failed:
+            try:
+                with self._lock:
+                    account = Account(self._data_bytes, self._complete_files,
+                                      self.admission.describe())
+                leave_clean_stop(self.layout, account, self.index.present)
+            except OSError as exc:  # the next start reconciles, as after a crash
+                log.warning("cache %s: the record of this stop could not be written (%s)",
+                            self.layout.root, _describe(exc))
         self.layout.unlock()
+
+    def _measure_directories_locked(self) -> None:
+        self._fixed_bytes = self.layout.fixed_bytes()
+        self._fan_bytes = self.layout.fan_dir_bytes()
+        self._fan_total = sum(self._fan_bytes.values())
+        self._measure_index_locked(force=True)
 
     # -- figures ---------------------------------------------------------------------------
 
@@ -255,8 +376,22 @@ class CacheStore:
 
     @property
     def admitting(self) -> bool:
-        """False once the budget is used or the disk refused a write."""
-        return not self._full and time.monotonic() >= self._admission_paused_until
+        """False once the budget is used or the disk refused a write, and while the cache is
+        reconciled with its index (its account is not known)."""
+        return not self._full and not self._reconciling \
+            and time.monotonic() >= self._admission_paused_until
+
+    @property
+    def reconciling(self) -> bool:
+        return self._reconciling
+
+    def scrub_figures(self) -> dict:
+        """How far the background verification is: files and bytes verified, whether it runs,
+        whether every file's record is trusted now."""
+        scrubber = self._scrubber
+        return {"files": scrubber.files if scrubber else 0,
+                "bytes": scrubber.bytes if scrubber else 0,
+                "running": bool(scrubber and scrubber.running), "trusted": self._trusted}
 
     @property
     def write_error(self) -> str | None:
@@ -295,10 +430,10 @@ class CacheStore:
             raise
 
     def local_file(self, key: bytes, record: FileRecord) -> int | None:
-        """A read-only descriptor of the whole cached file, verified against its checksums
-        (now, or earlier in this process and unchanged since); None when the file is not
-        whole, is being verified in the background, or failed (then it is dropped and
-        counted, and the caller refetches it).  The caller closes the descriptor."""
+        """A read-only descriptor of the whole cached file, its bytes known to match its
+        checksums (see the module's docstring); None when the file is not whole, is being
+        verified in the background, or failed (then it is dropped and counted, and the caller
+        refetches it).  The caller closes the descriptor."""
         if not self.is_complete(record):
             return None
         try:
@@ -307,40 +442,90 @@ class CacheStore:
             self._corrupt_file(key, record, f"its file cannot be opened ({exc.strerror})")
             return None
         try:
-            if self.still_verified(key, record.version, fd):
+            st = os.fstat(fd)
+            if self._trusts(key, record, st):
                 return fd
             if record.attr.size > INLINE_VERIFY_BYTES:
                 self._verify_later(key, record)
-            elif self._verify(key, record, fd):
+            elif self._verify(key, record, fd, st) is not None:
                 return fd
         except OSError as exc:
             self._corrupt_file(key, record, f"reading it failed ({exc.strerror})")
         os.close(fd)
         return None
 
-    def still_verified(self, key: bytes, version: Version, fd: int) -> bool:
-        """Whether the file behind ``fd`` is the one verified for ``version``, untouched."""
-        known = self._verified.get(key)
-        return known is not None and known[0] == version and known[1] == _identity(
-            os.fstat(fd))
+    def still_good(self, key: bytes, record: FileRecord) -> bool:
+        """Whether the cached file of ``record`` may still be handed over as it was (a caller
+        keeps it registered with the kernel across opens): untouched since it was checked."""
+        try:
+            st = os.stat(self.layout.data_path(data_key(key, record.version)))
+        except OSError:
+            return False
+        return self._trusts(key, record, st)
 
-    def _verify(self, key: bytes, record: FileRecord, fd: int) -> bool:
-        """Check every chunk of the open data file; remember it verified, or drop it."""
-        st = os.fstat(fd)
+    def _trusts(self, key: bytes, record: FileRecord, st: os.stat_result) -> bool:
+        return st.st_size == record.attr.size and _checked_as(st) == record.checked_as \
+            and (self._trusted or _key_hash(key) in self._verified)
+
+    def _verify(self, key: bytes, record: FileRecord, fd: int, st: os.stat_result
+                ) -> int | None:
+        """Check every chunk of the open data file: the bytes read, once it is marked
+        checked; None when it failed (then it is dropped)."""
         if st.st_size != record.attr.size:
             self._corrupt_file(key, record, f"it holds {st.st_size} bytes instead of "
                                             f"{record.attr.size}")
-            return False
+            return None
         for number in range(chunk_count(record.attr.size)):
             chunk = self.chunk_record(key, record, number)
             offset, length = chunk_span(record.attr.size, number)
             data = os.pread(fd, length, offset) if chunk is not None else b""
             if chunk is None or len(data) != chunk.length or _checksum(data) != chunk.checksum:
                 self._corrupt_chunk(key, record, number, "its checksum does not match")
-                return False
-        if self.lookup(key) == record:  # not dropped or replaced meanwhile
-            self._verified[key] = (record.version, _identity(st))
-        return True
+                return None
+        self._mark_checked(key, record, st)
+        return record.attr.size
+
+    def _mark_checked(self, key: bytes, record: FileRecord, st: os.stat_result) -> None:
+        """Its bytes were found to match: record the data file as it is now, unless the
+        record was dropped or replaced meanwhile."""
+        checked = _checked_as(st)
+        if checked != record.checked_as:
+            with self._lock:
+                if self.index.get_file(key) != record:
+                    return
+                self.index.put_file(key, record._replace(checked_as=checked))
+        if not self._trusted:
+            self._verified.add(_key_hash(key))
+
+    def scrub(self, key: bytes, raw: bytes) -> int | None:
+        """Verify one cached file for the scrub (scrub.py): the bytes read (0 when it needs no
+        reading, being verified in this process already), None when ``raw`` is not a whole
+        file's record."""
+        if split_key(key)[1] is not None:
+            return None
+        record = self.index.file_record(raw)
+        if not self.is_complete(record) or key in self._verifying:
+            return None
+        if not self._trusted and _key_hash(key) in self._verified:
+            return 0
+        current = self.lookup(key)
+        if current != record:
+            return None  # changed or dropped since the scrub read it
+        try:
+            fd = self.layout.open_data(data_key(key, record.version))
+        except OSError as exc:
+            self._corrupt_file(key, record, f"its file cannot be opened ({exc.strerror})")
+            return 0
+        try:
+            read = self._verify(key, record, fd, os.fstat(fd)) or 0
+            # Read for the scrub alone: its pages need not push anything else out.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return read
+        except OSError as exc:
+            self._corrupt_file(key, record, f"reading it failed ({exc.strerror})")
+            return 0
+        finally:
+            os.close(fd)
 
     def _verify_later(self, key: bytes, record: FileRecord) -> None:
         with self._lock:
@@ -359,7 +544,7 @@ class CacheStore:
             try:
                 fd = self.layout.open_data(data_key(key, record.version))
                 try:
-                    self._verify(key, record, fd)
+                    self._verify(key, record, fd, os.fstat(fd))
                 finally:
                     os.close(fd)
             except OSError as exc:
@@ -483,8 +668,8 @@ class CacheStore:
                 if record.version != attr.version:
                     replaced = record
         self.layout.install(new)
-        # The bytes were hashed as they lie on the disk: verified for the first hand-over.
-        identity = _identity(os.stat(new.final))
+        # The bytes were hashed as they lie on the disk: checked for the first hand-over.
+        checked = _checked_as(os.stat(new.final))
         fan = new.fan
         fan_bytes = self._fan_bytes_after_a_write(fan)
         single = len(checksums) == 1
@@ -494,10 +679,11 @@ class CacheStore:
                     self.index.put_chunk(chunk_key(key, number),
                                          ChunkRecord(checksum, chunk_span(attr.size, number)[1]))
             self.index.put_file(key, FileRecord(attr, len(checksums),
-                                                checksums[0] if single else 0))
+                                                checksums[0] if single else 0, checked))
             self._complete_files += 1
             self._data_bytes += allocated
-            self._verified[key] = (attr.version, identity)
+            if not self._trusted:
+                self._verified.add(_key_hash(key))
             if fan_bytes is not None:
                 self._set_fan_bytes_locked(fan, fan_bytes)
             self._measure_index_locked()
@@ -554,8 +740,6 @@ class CacheStore:
         dkey = data_key(key, attr.version)
         if single:
             allocated = self.layout.write_whole(dkey, data)
-            # The bytes were hashed on their way to the disk: verified for the first hand-over.
-            identity = _identity(os.stat(self.layout.data_path(dkey)))
         else:
             allocated = self.layout.write_at(dkey, number * CHUNK_BYTES, data)
         fan, fan_bytes = self.layout.fan_dir_bytes_of(dkey)
@@ -577,9 +761,14 @@ class CacheStore:
             if not (single and already):  # a file rewritten whole replaced its old bytes
                 self._data_bytes += allocated
             record = record._replace(first_checksum=checksum if single else 0)
+            if self.is_complete(record):
+                # Every chunk was hashed on its way to the disk, and written before this: the
+                # file as it is now is checked, for its first hand-over.
+                record = record._replace(
+                    checked_as=_checked_as(os.stat(self.layout.data_path(dkey))))
+                if not self._trusted:
+                    self._verified.add(_key_hash(key))
             self.index.put_file(key, record)
-            if single:
-                self._verified[key] = (attr.version, identity)
             self._set_fan_bytes_locked(fan, fan_bytes)
             self._measure_index_locked()
         if replaced is not None:
@@ -655,7 +844,7 @@ class CacheStore:
                     return  # dropped or replaced meanwhile
                 if self.is_complete(current):
                     self._complete_files -= 1
-                self._verified.pop(key, None)
+                self._verified.discard(_key_hash(key))
                 self.index.delete(ckey)
                 self.index.put_file(key, current._replace(
                     stored_chunks=current.stored_chunks - 1))
@@ -666,7 +855,7 @@ class CacheStore:
     def _drop_locked(self, key: bytes, record: FileRecord) -> None:
         if self.is_complete(record):
             self._complete_files -= 1
-        self._verified.pop(key, None)
+        self._verified.discard(_key_hash(key))
         count = chunk_count(record.attr.size)
         if count > 1:
             for number in range(count):
@@ -681,91 +870,18 @@ class CacheStore:
     # -- consistency -----------------------------------------------------------------------
 
     def check(self, *, fix: bool, verify_data: bool) -> CheckReport:
-        """Compare the index with the files on disk; with ``fix``, repair what differs.
-
-        INVARIANT: every data file belongs to a file record, and every record with stored
-        chunks has its data file.
-        INVARIANT: a file record's stored_chunks equals its chunk records (one for a
-        single-chunk file).
-        INVARIANT: used bytes (data + index + directories) <= capacity.
-        INVARIANT (verify_data): every stored chunk matches its checksum.
-        Called at every start (fix, no data verification), by ``cachefs verify``
-        (fix and verify) and by tests.  Not safe to run beside writers.
-        """
-        report = CheckReport(leftover_fills=self.layout.sweep_tmp() if fix else 0)
-        on_disk = dict(self.layout.iter_data_files())
-        file_keys: list[bytes] = []
-        chunks_by_file: dict[bytes, list[int]] = {}
-        for key in self.index.all_keys():
-            path, number = split_key(key)
-            if number is None:
-                file_keys.append(key)
-            else:
-                chunks_by_file.setdefault(path, []).append(number)
-
-        kept: set[str] = set()
-        scores: list[tuple[float, bytes]] = []
-        for key in file_keys:
-            record = self.index.get_file(key)
-            if record is None:
-                continue
-            count = chunk_count(record.attr.size)
-            if count == 1:
-                numbers = [0] if record.stored_chunks else []
-            else:
-                numbers = chunks_by_file.pop(key, [])
-            name = self.layout.data_name(data_key(key, record.version))
-            healthy = True
-            if len(numbers) != record.stored_chunks or any(n >= count for n in numbers):
-                report.miscounted_files += 1
-                healthy = False
-            if numbers and name not in on_disk:
-                report.missing_chunks += len(numbers)
-                healthy = False
-            elif verify_data:
-                for number in numbers:
-                    if self._chunk_intact(key, record, number):
-                        report.chunks_verified += 1
-                    else:
-                        report.corrupt_chunks += 1
-                        healthy = False
-            eligible = self.admission.keeps_cached(os.fsdecode(key))
-            report.ineligible_files += not eligible
-            if fix and not (healthy and eligible):
-                self._forget(key, numbers, record.version, multi_chunk=count > 1)
-                kept.add(name)  # accounted for above, not an unaccounted orphan
-                continue
-            report.files += 1
-            report.chunks += len(numbers)
-            report.complete_files += self.is_complete(record)
-            report.data_bytes += on_disk.get(name, 0)
-            kept.add(name)
-            scores.append((self.admission.score(os.fsdecode(key)), key))
-        for key, numbers in chunks_by_file.items():  # chunk records of no file record
-            report.orphan_files += len(numbers)
-            if fix:
-                for number in numbers:
-                    self.index.delete(chunk_key(key, number))
-        for name in on_disk.keys() - kept:
-            report.orphan_files += 1
-            if fix:
-                self.layout.remove_data_name(name)
+        """Compare the index with the files on disk (reconcile.py); with ``fix``, repair
+        what differs.  For tests and ``cachefs verify``; not safe beside writers."""
+        report, present, _kept = reconcile(self, fix=fix, verify_data=verify_data)
         if fix:
-            self.index.flush()
-
-        with self._lock:
-            self._data_bytes = report.data_bytes
-            self._complete_files = report.complete_files
-            self._fixed_bytes = self.layout.fixed_bytes()
-            self._fan_bytes = self.layout.fan_dir_bytes()
-            self._fan_total = sum(self._fan_bytes.values())
-            self._measure_index_locked(force=True)
-            self._full = False
-        if fix:
-            report.over_budget_files = self._trim_to_capacity(scores)
+            self.index.present = present
+            with self._lock:
+                self._data_bytes = report.data_bytes
+                self._complete_files = report.complete_files
+                self._measure_directories_locked()
         return report
 
-    def _chunk_intact(self, key: bytes, record: FileRecord, number: int) -> bool:
+    def chunk_intact(self, key: bytes, record: FileRecord, number: int) -> bool:
         chunk = self.chunk_record(key, record, number)
         if chunk is None:
             return False
@@ -776,22 +892,33 @@ class CacheStore:
             return False
         return True
 
-    def _forget(self, key: bytes, numbers: list[int], version, *, multi_chunk: bool) -> None:
+    def forget_record(self, key: bytes, numbers: list[int], version: Version, *,
+                      multi_chunk: bool) -> int:
+        """Remove a record found wrong or unwanted by the reconciliation, and its data file;
+        the bytes that file took."""
         if multi_chunk:
             for number in numbers:
                 self.index.delete(chunk_key(key, number))
-        self.layout.remove_data(data_key(key, version))
+        freed = self.layout.remove_data(data_key(key, version))
         self.index.delete(key)
+        return freed
 
-    def _trim_to_capacity(self, scores: list[tuple[float, bytes]]) -> int:
+    def exceeds_capacity(self, data_bytes: int) -> bool:
+        """Whether data files of ``data_bytes``, with the rest, would not fit the budget (it
+        shrank since they were written)."""
+        with self._lock:
+            others = self._index_bytes + self._fixed_bytes + self._fan_total
+        return data_bytes + others + INDEX_HEADROOM_BYTES > self.capacity_bytes
+
+    def _trim_to_capacity(self, keys: list[bytes]) -> int:
         """Drop files until the store fits its capacity (it shrank since the last run).
 
         The files with the highest admission score go first, so the cache keeps the
         files a smaller fraction would have admitted.
         """
         dropped = 0
-        scores.sort(reverse=True)
-        for _score, key in scores:
+        for key in sorted(keys, key=lambda k: self.admission.score(os.fsdecode(k)),
+                          reverse=True):
             if self.used_bytes + INDEX_HEADROOM_BYTES <= self.capacity_bytes:
                 break
             self.drop(key)
