@@ -214,8 +214,9 @@ def test_kill_9_during_a_fill_leaves_nothing_indexed(source, remote, mount_cache
         os.close(reader)
     mount.kill()
     remote.configure(bandwidth_mbps=0)
-    mount.start()  # cleans the stale mount up, reconciles the cache
-    status = mount.status()
+    mount.start()  # cleans the stale mount up; the cache is reconciled in the background
+    status = wait_for(lambda: (st := mount.status())["reconciling"] is False and st,
+                      what="the cache reconciled")
     assert status["cache_files"] == 1  # small.bin; nothing of the shard
     assert not os.listdir(mount.cache_dir / "tmp")
     assert _whole(mount.path / "shard.bin") == data

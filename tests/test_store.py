@@ -385,3 +385,62 @@ def test_a_fill_respects_admission_and_budget(open_store, tmp_path):
     store.close()
     store = open_store(fraction=0.0)
     assert not store.fill(b"x", attr_of(10), lambda out: os.write(out, b"0123456789"))
+
+
+def test_a_clean_stop_lets_the_next_start_trust_its_account_without_a_scan(open_store):
+    store = open_store()
+    for i in range(50):
+        put_file(store, f"f{i}", os.urandom(5000))
+    used, files = store.used_bytes, store.complete_files
+    store.close()
+    assert (store.layout.root / "clean-stop.json").exists()
+
+    store = open_store()
+    assert store.ready.is_set() and not store.reconciling and store.admitting
+    assert store.complete_files == files
+    assert abs(store.used_bytes - used) <= 64 * 1024  # the index's last commit and the marker
+    assert store.check(fix=False, verify_data=True).problems == 0
+    assert not (store.layout.root / "clean-stop.json").exists()  # a crash now is known
+    # Untouched since it was hashed: handed over as it is; touched (its bytes rewritten, its
+    # mtime put back), it no longer matches its record, is verified, and fails.
+    record = store.lookup(b"f1")
+    fd = store.local_file(b"f1", record)
+    assert fd is not None
+    os.close(fd)
+    path = store.layout.data_path(data_key(b"f2", store.lookup(b"f2").version))
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(b"\0" * 10)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert store.local_file(b"f2", store.lookup(b"f2")) is None
+    assert store.lookup(b"f2") is None  # dropped
+
+
+def test_a_changed_fraction_at_a_clean_start_drops_what_it_no_longer_keeps(open_store):
+    store = open_store()
+    for i in range(100):
+        put_file(store, f"f{i}", os.urandom(3000))
+    store.close()
+    store = open_store(fraction=0.5)
+    assert store.ready.wait(10) and not store.reconciling
+    kept = [i for i in range(100) if FractionAdmission(0.5).eligible(f"f{i}")]
+    assert store.complete_files == len(kept)
+    assert all((store.lookup(os.fsencode(f"f{i}")) is not None) == (i in kept)
+               for i in range(100))
+
+
+def test_the_key_filter_never_says_absent_of_a_key_written(tmp_path):
+    from cachefs.store.presence import KeyFilter
+
+    keys = [os.urandom(20) for _ in range(20000)]
+    present = KeyFilter(len(keys))
+    for key in keys:
+        present.add(key)
+    assert all(key in present for key in keys)
+    others = [os.urandom(20) for _ in range(20000)]
+    assert sum(key in present for key in others) < 0.03 * len(others)
+    present.save(tmp_path / "f.bin")
+    loaded = KeyFilter.load(tmp_path / "f.bin")
+    assert loaded is not None and all(key in loaded for key in keys)
+    (tmp_path / "f.bin").write_bytes(b"junk")
+    assert KeyFilter.load(tmp_path / "f.bin") is None
