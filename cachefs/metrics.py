@@ -125,6 +125,14 @@ class Metrics:
         self.fills_under_way = Gauge(
             "cachefs_fills_under_way", "Files being copied into the cache by the kernel now, "
             "or waiting to be", registry=r)
+        self.attr_cache_entries = Gauge(
+            "cachefs_attr_cache_entries", "Attributes remembered of names the kernel does not "
+            "hold (bounded by --attr-cache-entries)", registry=r)
+        self.attr_cache_capacity_entries = Gauge(
+            "cachefs_attr_cache_capacity_entries", "--attr-cache-entries", registry=r)
+        self.nodes = Gauge(
+            "cachefs_nodes", "Nodes the kernel holds (files and directories looked up, not yet "
+            "forgotten)", registry=r)
         self.staging_bytes = Gauge(
             "cachefs_staging_bytes", "Prefetched bytes held in memory for files the cache does "
             "not keep", registry=r)

@@ -5,81 +5,107 @@ the kernel's node ids into paths relative to BACKING, the tree's answers into re
 and every exception into an errno through the one table in errors.py (anything unexpected
 is logged with a traceback by the session and answered EIO).
 
-Nodes.  A directory or symlink has one node per path.  A regular file has one node per
-path *and version* (size, mtime): a file changed on the remote gets a new node, so the
-kernel never mixes the pages, or the backing file, of two versions.  An open of an old
-version's node once the change is known is answered ESTALE, on which the kernel looks the
-name up again and retries the open (once) on the new node.  Entries and attributes are
-cached by the kernel for as long as the daemon's own attributes stay within
-``--revalidate``, so no byte older than the interval is served.
+Nodes (nodes.py: a compact table in memory a successor can read).  A directory or symlink has
+one node per path.  A regular file has one node per path *and version* (size, mtime): a file
+changed on the remote gets a new node, so the kernel never mixes the pages, or the backing
+file, of two versions.  An open of an old version's node once the change is known is
+answered ESTALE, on which the kernel looks the name up again and retries the open (once) on
+the new node.  Entries and attributes are cached by the kernel for as long as the daemon's
+own attributes stay within ``--revalidate``, so no byte older than the interval is served.
+A node's path is its parent's and its name; the paths of directories are remembered.
 
 Opens.  Each open asks the tree where the file's bytes are (:meth:`CachedTree.locate`).
 With kernel passthrough, a local file (the cache's own file, or a memory file) is
 registered as a backing file and named in the reply: the kernel reads it, no READ comes
-here.  The cache's files stay registered across opens (``HeldFiles``: the id and the
-descriptor, bounded in number), so an open of a cached file costs one OPEN and one
-RELEASE round trip.  Without passthrough the same local file is read here with pread, and
+here.  The cache's files stay registered across opens (``HeldFiles``), so an open of a
+cached file costs one OPEN and one RELEASE round trip.  Once registered, a file is the
+kernel's to hold (it keeps its own reference): no descriptor of ours stays open for it, and
+what bounds how many are held is the kernel's memory for them (DEFAULT_MAX_HELD), not our
+limit of descriptors.  Without passthrough the same local file is read here with pread, and
 the kernel keeps the pages of a node from one open to the next (a node is one version).
 A file with no single local file (a large file not wholly cached) is read here chunk by
 chunk.
 
 The kernel allows one backing file per node while any passthrough open of it lasts, and
-no passthrough open while the node has opens served here with its page cache; ``Node``
-tracks both, and an open that cannot use passthrough is served here instead.
+no passthrough open while the node has opens served here with its page cache; ``Opened``
+tracks both for the nodes with open files, and an open that cannot use passthrough is served
+here instead.
 
-Lock order: ``MirrorFS._lock`` (nodes, handles, held files) is a leaf: never held across
-a call into the tree, the store or the kernel.
+Lock order: ``MirrorFS._lock`` (open nodes, handles, held files, directory paths) and the node
+table's are leaves: neither is held while taking the other, nor across a call into the tree,
+the store or the kernel.
 """
 
 from __future__ import annotations
 
-import collections
 import errno
 import itertools
 import logging
 import os
 import resource
-import stat
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from cachefs.attr import Attr
+import xxhash
+
+from cachefs.attr import Attr, Version
 from cachefs.errors import errno_for
 from cachefs.kernel import protocol as p
 from cachefs.kernel.session import Connection, Request, Session
+from cachefs.mirror.nodes import ROOT_ID, NodeTable
 from cachefs.mirror.tree import CachedTree, Located, is_control_entry
 
 log = logging.getLogger(__name__)
 
 # Open flags that would write: the mirror is read-only (the mount is "ro" too).
 _WRITING = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
-DEFAULT_MAX_HELD = 32768
+# Cache files kept registered with the kernel across opens, with passthrough: each costs the
+# kernel an open file of its own (a struct file and its backing record, under a kilobyte; the
+# dentry and inode are cached anyway), so 65,536 cost it some 64 MiB at most.
+DEFAULT_MAX_HELD = 65536
+# Without passthrough each held file is a descriptor of ours: a share of our limit on them.
+MAX_HELD_DESCRIPTORS = 32768
+# Directory paths remembered (a directory's path is asked for every name looked up in it).
+MAX_DIR_PATHS = 65536
 
 
-class Node:
-    """What a node id stands for.  Fields other than the first three change under
+class Node(NamedTuple):
+    """What a node id stands for now: its path (relative to BACKING) and attributes."""
+
+    nodeid: int
+    relpath: str
+    attr: Attr
+
+
+class Opened:
+    """A node with files open: the kernel's rules for backing files, counted.  Changes under
     ``MirrorFS._lock`` only."""
 
-    __slots__ = ("nodeid", "relpath", "attr", "packed", "lookups", "backing", "passthrough",
-                 "served")
+    __slots__ = ("node", "backing", "passthrough", "served")
 
-    def __init__(self, nodeid: int, relpath: str, attr: Attr) -> None:
-        self.nodeid = nodeid
-        self.relpath = relpath
-        self.attr = attr
-        self.packed = _pack(nodeid, attr)
-        self.lookups = 0
+    def __init__(self, node: Node) -> None:
+        self.node = node
         self.backing: Backing | None = None  # the backing file of the passthrough opens now
         self.passthrough = 0  # passthrough opens now
         self.served = 0       # opens served here with the page cache now
 
+    @property
+    def idle(self) -> bool:
+        return not self.passthrough and not self.served
 
-@dataclass(eq=False)
+
+_HIT = ("hit", "cache")
+
+
+@dataclass(eq=False, slots=True)
 class Backing:
     """A local file registered with the kernel (``backing_id``; 0 without passthrough) and
-    our descriptor of it.  ``held``: a cache file kept across opens (in ``HeldFiles``);
-    otherwise it belongs to the opens using it and goes with the last."""
+    our descriptor of it (-1 once the kernel holds it alone).  ``held``: a cache file kept
+    across opens (in ``HeldFiles``), which ``checked_as`` (its inode, mtime and ctime) tells
+    apart from any other; otherwise it belongs to the opens using it and goes with the
+    last."""
 
     fd: int
     backing_id: int
@@ -87,12 +113,13 @@ class Backing:
     reopened_as: tuple[str, str]  # (result, source) counted for another open sharing it
     opens: int = 0
     evicted: bool = False
-    readable: bool = True  # False: the remote's file named by path only (O_PATH)
+    readable: bool = True  # False: no descriptor of ours, or the remote's file by path (O_PATH)
+    checked_as: tuple[int, int, int] | None = None
 
     @classmethod
     def of(cls, fd: int, backing_id: int, located: Located) -> Backing:
         if located.kind == "cache":  # whatever brought it (a miss, a prefetch), now a hit
-            return cls(fd, backing_id, True, ("hit", "cache"))
+            return cls(fd, backing_id, True, _HIT, checked_as=located.checked_as)
         return cls(fd, backing_id, False, (located.result, located.source),
                    readable=located.readable)
 
@@ -102,39 +129,48 @@ class Handle:
     """One open file: its node, and either a backing (passthrough, or pread here from its
     descriptor) or a tree handle read chunk by chunk."""
 
-    node: Node
+    opened: Opened
     backing: Backing | None
     passthrough: bool
     tree_handle: int = 0
 
 
+def held_key(relpath: str, version: Version) -> int:
+    """What a held file is found by: a 64-bit hash of its path and version (a collision is
+    told apart by the file's ``checked_as``, see CachedTree.locate)."""
+    return xxhash.xxh3_64_intdigest(os.fsencode(relpath), seed=version.mtime_ns & _SEED_MASK
+                                    ^ version.size)
+
+
+_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+
 class HeldFiles:
-    """Cache files kept open (and registered) across opens, by (path, version), the least
-    recently opened first out.  Thread safety: the caller holds ``MirrorFS._lock``."""
+    """Cache files kept registered across opens, by :func:`held_key`, the least recently
+    opened first out.  Thread safety: the caller holds ``MirrorFS._lock``."""
 
     def __init__(self, max_files: int) -> None:
         self.max_files = max_files
-        self._files: collections.OrderedDict[tuple[str, object], Backing] = \
-            collections.OrderedDict()
+        self._files: dict[int, Backing] = {}  # in order of use, the least recent first
 
-    def get_locked(self, key) -> Backing | None:
-        backing = self._files.get(key)
+    def get_locked(self, key: int) -> Backing | None:
+        backing = self._files.pop(key, None)
         if backing is not None:
-            self._files.move_to_end(key)
+            self._files[key] = backing
         return backing
 
-    def put_locked(self, key, backing: Backing) -> list[Backing]:
+    def put_locked(self, key: int, backing: Backing) -> list[Backing]:
         """Keep ``backing``; the ones pushed out (the caller closes those no open uses)."""
         old = self._files.pop(key, None)
         self._files[key] = backing
         out = [old] if old is not None else []
         while len(self._files) > self.max_files:
-            out.append(self._files.popitem(last=False)[1])
+            out.append(self._files.pop(next(iter(self._files))))
         for gone in out:
             gone.evicted = True
         return out
 
-    def drop_locked(self, key) -> Backing | None:
+    def drop_locked(self, key: int) -> Backing | None:
         backing = self._files.pop(key, None)
         if backing is not None:
             backing.evicted = True
@@ -144,29 +180,34 @@ class HeldFiles:
         return len(self._files)
 
 
+def _held_as(held: Backing | None) -> tuple[int, int, int] | None:
+    return None if held is None else held.checked_as
+
+
 def _pack(nodeid: int, a: Attr) -> bytes:
     return p.attr(nodeid, a.mode, a.size, a.uid, a.gid, a.nlink, a.atime_ns, a.mtime_ns,
                   a.ctime_ns)
 
 
-def _default_max_held() -> int:
+def _max_held_descriptors() -> int:
     # Each held file is a descriptor of ours: stay well inside the limit on them.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     limit = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    return max(64, min(DEFAULT_MAX_HELD, limit // 4))
+    return max(64, min(MAX_HELD_DESCRIPTORS, limit // 4))
 
 
 class MirrorFS:
     """The FUSE requests of one cachefs mount.
 
-    Thread safety: ``_lock`` guards the node table, ``_handles``, ``_held`` and the
-    counters of every Node and Backing; everything else is the tree's.
+    Thread safety: ``_lock`` guards ``_opened``, ``_handles``, ``_held``, ``_dir_paths`` and
+    the counters of every Opened and Backing; the node table has its own lock; everything
+    else is the tree's.
     """
 
     def __init__(self, tree: CachedTree, *, on_mounted, metrics,
-                 max_held: int | None = None) -> None:
+                 max_held: int | None = None, nodes: NodeTable | None = None) -> None:
         self.tree = tree
         self._on_mounted = on_mounted
         self._open_seconds = metrics.open_seconds
@@ -174,21 +215,22 @@ class MirrorFS:
         self.session: Session | None = None
         self.passthrough = False
         self._lock = threading.Lock()
-        root = Node(p.ROOT_ID, "", tree.getattr(""))
-        root.lookups = 1
-        self._nodes: dict[int, Node] = {p.ROOT_ID: root}
-        self._by_path: dict[str, Node] = {"": root}
-        self._ids = itertools.count(p.ROOT_ID + 1)
+        self.nodes = nodes if nodes is not None else NodeTable(None, tree.getattr(""))
+        self._dir_paths: dict[int, str] = {ROOT_ID: ""}
+        self._opened: dict[int, Opened] = {}
         self._handles: dict[int, Handle] = {}
         self._fhs = itertools.count(1)
         self._dirs: dict[int, list[tuple[bytes, int]]] = {}
-        self._held = HeldFiles(max_held or _default_max_held())
+        self._max_held = max_held
+        self._held = HeldFiles(max_held or _max_held_descriptors())
 
     # -- the session's calls -------------------------------------------------------------
 
     def init(self, session: Session, connection: Connection) -> None:
         self.session = session
         self.passthrough = connection.passthrough
+        if self.passthrough and self._max_held is None:
+            self._held.max_files = DEFAULT_MAX_HELD  # the kernel holds them, not our fds
         self._on_mounted(connection)
 
     def errno_for(self, exc: BaseException) -> int | None:
@@ -202,11 +244,29 @@ class MirrorFS:
     def held_files(self) -> int:
         return len(self._held)
 
+    @property
+    def max_held_files(self) -> int:
+        return self._held.max_files
+
     def _node(self, nodeid: int) -> Node:
-        node = self._nodes.get(nodeid)
-        if node is None:  # forgotten: the kernel should not ask; it looks the name up again
+        info = self.nodes.get(nodeid)
+        if info is None:  # forgotten: the kernel should not ask; it looks the name up again
             raise OSError(errno.ESTALE, "unknown node")
-        return node
+        if nodeid == ROOT_ID:
+            return Node(nodeid, "", info.attr)
+        parent = self._dir_path(info.parent)
+        name = os.fsdecode(info.name)
+        return Node(nodeid, f"{parent}/{name}" if parent else name, info.attr)
+
+    def _dir_path(self, nodeid: int) -> str:
+        path = self._dir_paths.get(nodeid)
+        if path is None:
+            path = self._node(nodeid).relpath
+            with self._lock:
+                if len(self._dir_paths) >= MAX_DIR_PATHS:
+                    self._dir_paths = {ROOT_ID: ""}
+                self._dir_paths[nodeid] = path
+        return path
 
     def _timeout(self, relpath: str) -> float:
         return self.tree.attrs.fresh_for(relpath)
@@ -214,53 +274,33 @@ class MirrorFS:
     # -- names ----------------------------------------------------------------------------
 
     def lookup(self, req: Request, parent: int, name: bytes) -> bytes:
-        directory = self._node(parent)
+        directory = self._dir_path(parent)
+        if self.nodes.get(parent) is None:
+            raise OSError(errno.ESTALE, "unknown node")
         text = os.fsdecode(name)
-        relpath = f"{directory.relpath}/{text}" if directory.relpath else text
+        relpath = f"{directory}/{text}" if directory else text
         attr = self.tree.getattr(relpath)
-        node = self._remember(relpath, attr)
+        nodeid = self.nodes.lookup(parent, name, attr)
         timeout = 0.0 if is_control_entry(relpath) else self._timeout(relpath)
-        return p.entry_out(node.nodeid, 0, timeout, timeout, node.packed)
-
-    def _remember(self, relpath: str, attr: Attr) -> Node:
-        """The node for ``relpath`` at ``attr``, counted as one more lookup by the kernel."""
-        with self._lock:
-            node = self._by_path.get(relpath)
-            same_kind = node is not None and stat.S_IFMT(node.attr.mode) == stat.S_IFMT(
-                attr.mode)
-            if not same_kind or (attr.is_file and node.attr.version != attr.version):
-                node = Node(next(self._ids), relpath, attr)
-                self._nodes[node.nodeid] = node
-                self._by_path[relpath] = node
-            elif node.attr is not attr:
-                node.attr, node.packed = attr, _pack(node.nodeid, attr)
-            node.lookups += 1
-            return node
+        return p.entry_out(nodeid, 0, timeout, timeout, _pack(nodeid, attr))
 
     def forget(self, nodeid: int, nlookup: int) -> None:
-        with self._lock:
-            node = self._nodes.get(nodeid)
-            if node is None or nodeid == p.ROOT_ID:
-                return
-            node.lookups -= nlookup
-            if node.lookups <= 0:
-                del self._nodes[nodeid]
-                if self._by_path.get(node.relpath) is node:
-                    del self._by_path[node.relpath]
+        if self.nodes.forget(nodeid, nlookup):  # its id may name another node from now on
+            with self._lock:
+                self._dir_paths.pop(nodeid, None)
 
     def getattr(self, req: Request, nodeid: int, fh: int | None) -> bytes:
         node = self._node(nodeid)
         if fh is not None and node.attr.is_file:
-            return p.attr_out(0, node.packed)  # fstat: the version that is open
+            return p.attr_out(0, _pack(nodeid, node.attr))  # fstat: the version that is open
         attr = self.tree.getattr(node.relpath)
-        if node.attr.is_file and (not attr.is_file or attr.version != node.attr.version):
+        if node.attr.is_file and (not attr.is_file or not attr.same_version(node.attr)):
             # Changed on the remote: this node keeps its version; the next lookup of the
             # name finds the new one.
-            return p.attr_out(0, node.packed)
-        if attr is not node.attr:
-            with self._lock:
-                node.attr, node.packed = attr, _pack(nodeid, attr)
-        return p.attr_out(self._timeout(node.relpath), node.packed)
+            return p.attr_out(0, _pack(nodeid, node.attr))
+        if attr != node.attr:
+            self.nodes.refresh(nodeid, attr)
+        return p.attr_out(self._timeout(node.relpath), _pack(nodeid, attr))
 
     def readlink(self, req: Request, nodeid: int) -> bytes:
         return os.fsencode(self.tree.readlink(self._node(nodeid).relpath))
@@ -318,16 +358,23 @@ class MirrorFS:
         self._open_seconds.observe(time.perf_counter() - started)
         return reply
 
+    def _opened_locked(self, node: Node) -> Opened:
+        opened = self._opened.get(node.nodeid)
+        if opened is None:
+            opened = self._opened[node.nodeid] = Opened(node)
+        return opened
+
     def _open_passthrough(self, node: Node, attr: Attr) -> bytes:
-        held_key = (node.relpath, attr.version)
+        key = held_key(node.relpath, attr.version)
         with self._lock:
-            live = node.backing
-            held = self._held.get_locked(held_key)
+            opened = self._opened.get(node.nodeid)
+            live = opened.backing if opened is not None else None
+            held = self._held.get_locked(key)
         if live is not None:
             # Passthrough opens of this node are live: the kernel insists on their backing.
             self.tree.count_open(*live.reopened_as, attr.size)
             return self._reply_passthrough(node, live)
-        located = self.tree.locate(node.relpath, attr, held=held is not None)
+        located = self.tree.locate(node.relpath, attr, held=_held_as(held))
         backing = self._backing_for(node, located, held)
         if backing is None:
             return self._serve(node, located)
@@ -348,8 +395,12 @@ class MirrorFS:
             raise
         backing = Backing.of(fd, backing_id, located)
         if backing.held:
+            # Registered: the kernel keeps the file open itself, we need no descriptor of it.
+            os.close(fd)
+            backing.fd, backing.readable = -1, False
             with self._lock:
-                out = self._held.put_locked((node.relpath, node.attr.version), backing)
+                out = self._held.put_locked(held_key(node.relpath, node.attr.version),
+                                            backing)
                 out = [b for b in out if b.opens == 0]
             for gone in out:
                 self._close_backing(gone)
@@ -358,29 +409,30 @@ class MirrorFS:
     def _reply_passthrough(self, node: Node, backing: Backing) -> bytes:
         closing = None
         with self._lock:
-            passthrough = not node.served
+            opened = self._opened_locked(node)
+            passthrough = not opened.served
             if not passthrough and not backing.readable:
                 # Opens served here hold the node's pages, and this file cannot be read here:
                 # read through the tree instead, as they are (a race, rare).
-                if backing.opens == 0:
+                if backing.opens == 0 and not backing.held:
                     closing = backing
                 backing = None
             elif not passthrough:
                 # Opens served here hold the node's page cache: the kernel refuses a
                 # passthrough open beside them, so this one is served here too.
-                node.served += 1
+                opened.served += 1
             else:
-                if node.backing is not None and node.backing is not backing:
+                if opened.backing is not None and opened.backing is not backing:
                     # Another open of this node won the race: the kernel insists on its file.
                     if not backing.held and backing.opens == 0:
                         closing = backing
-                    backing = node.backing
-                node.backing = backing
-                node.passthrough += 1
+                    backing = opened.backing
+                opened.backing = backing
+                opened.passthrough += 1
             if backing is not None:
                 backing.opens += 1
                 fh = next(self._fhs)
-                self._handles[fh] = Handle(node, backing, passthrough)
+                self._handles[fh] = Handle(opened, backing, passthrough)
         if closing is not None:
             self._close_backing(closing)
         if backing is None:
@@ -392,10 +444,10 @@ class MirrorFS:
     def _open_served(self, node: Node, attr: Attr) -> bytes:
         """Without passthrough: the local file is read here (pread), the kernel keeps the
         node's pages across opens."""
-        held_key = (node.relpath, attr.version)
+        key = held_key(node.relpath, attr.version)
         with self._lock:
-            held = self._held.get_locked(held_key)
-        located = self.tree.locate(node.relpath, attr, held=held is not None)
+            held = self._held.get_locked(key)
+        located = self.tree.locate(node.relpath, attr, held=_held_as(held))
         if located.kind == "held":
             backing = held
         elif located.kind == "chunks":
@@ -404,23 +456,25 @@ class MirrorFS:
             backing = Backing.of(located.fd, 0, located)
             if backing.held:
                 with self._lock:
-                    out = [b for b in self._held.put_locked(held_key, backing) if b.opens == 0]
+                    out = [b for b in self._held.put_locked(key, backing) if b.opens == 0]
                 for gone in out:
                     self._close_backing(gone)
         with self._lock:
+            opened = self._opened_locked(node)
             backing.opens += 1
-            node.served += 1
+            opened.served += 1
             fh = next(self._fhs)
-            self._handles[fh] = Handle(node, backing, False)
+            self._handles[fh] = Handle(opened, backing, False)
         return p.open_out(fh, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
 
     def _serve(self, node: Node, located: Located) -> bytes:
         """An open read chunk by chunk through the tree."""
         tree_handle = self.tree.register(located.handle)
         with self._lock:
-            node.served += 1
+            opened = self._opened_locked(node)
+            opened.served += 1
             fh = next(self._fhs)
-            self._handles[fh] = Handle(node, None, False, tree_handle)
+            self._handles[fh] = Handle(opened, None, False, tree_handle)
         return p.open_out(fh, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
 
     def read(self, req: Request, nodeid: int, fh: int, offset: int, size: int):
@@ -437,13 +491,15 @@ class MirrorFS:
             handle = self._handles.pop(fh, None)
             if handle is None:
                 return
-            node, backing = handle.node, handle.backing
+            opened, backing = handle.opened, handle.backing
             if handle.passthrough:
-                node.passthrough -= 1
-                if not node.passthrough:
-                    node.backing = None
+                opened.passthrough -= 1
+                if not opened.passthrough:
+                    opened.backing = None
             elif backing is not None or handle.tree_handle:
-                node.served -= 1
+                opened.served -= 1
+            if opened.idle and self._opened.get(opened.node.nodeid) is opened:
+                del self._opened[opened.node.nodeid]
             closing = None
             if backing is not None:
                 backing.opens -= 1
@@ -457,12 +513,13 @@ class MirrorFS:
     def _close_backing(self, backing: Backing) -> None:
         if backing.backing_id:
             self.session.backing_close(backing.backing_id)
-        os.close(backing.fd)
+        if backing.fd >= 0:
+            os.close(backing.fd)
 
     def drop_held(self, relpath: str, version) -> None:
         """Stop handing over a held cache file (it changed or was dropped)."""
         with self._lock:
-            backing = self._held.drop_locked((relpath, version))
+            backing = self._held.drop_locked(held_key(relpath, version))
             closing = backing if backing is not None and backing.opens == 0 else None
         if closing is not None:
             self._close_backing(closing)

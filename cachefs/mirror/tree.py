@@ -85,6 +85,7 @@ class Located:
     fd: int | None = None
     handle: OpenFile | None = None
     readable: bool = True  # False: ``fd`` names the remote's file by path only (O_PATH)
+    checked_as: tuple[int, int, int] | None = None  # "cache": the file as last checked
 
 
 @dataclass(eq=False)
@@ -164,12 +165,13 @@ class CachedTree:
     # -- open ------------------------------------------------------------------------------
 
     def locate(self, relpath: str, attr: Attr, *, fetch: bool = True,
-               held: bool = False) -> Located | None:
+               held: tuple[int, int, int] | None = None) -> Located | None:
         """Where this open of the regular file ``relpath`` (version ``attr``) finds its bytes,
         counted as an open.  Without ``fetch`` (the fast path), only a whole local file, or
         the remote's own file where the kernel reads it, is an answer: None (nothing
         counted) otherwise.  ``held``: the caller kept this version's cache file from an
-        earlier answer; when it is still good the answer is "held"."""
+        earlier answer, the file as it was checked then (``checked_as``); when that is still
+        the file, untouched, the answer is "held"."""
         key = relpath_key(relpath)
         # Settle the prefetcher first: a prefetch into the cache that finishes now must
         # be seen by the lookup below, not fetched a second time.
@@ -219,12 +221,14 @@ class CachedTree:
             self._read_bytes[source].inc(handed_bytes)
 
     def _cached(self, relpath: str, key: bytes, attr: Attr, record: FileRecord,
-                held: bool, result: str, source: str) -> Located | None:
-        if held and self.store.still_good(key, record):
+                held: tuple[int, int, int] | None, result: str, source: str
+                ) -> Located | None:
+        if held is not None and held == record.checked_as \
+                and self.store.still_good(key, record):
             return Located("held", result, source)
-        fd = self.store.local_file(key, record)
-        if fd is not None:
-            return Located("cache", result, source, fd=fd)
+        found = self._cache_file(key, record, result, source)
+        if found is not None:
+            return found
         record = self.store.lookup(key)
         if record is not None and record.version == attr.version \
                 and self.store.is_complete(record):
@@ -274,11 +278,23 @@ class CachedTree:
         if admit:
             record = self.store.lookup(key)
             if record is not None and record.version == attr.version:
-                fd = self.store.local_file(key, record)
-                if fd is not None:
-                    return Located("cache", "miss", chunk.read_source, fd=fd)
+                found = self._cache_file(key, record, "miss", chunk.read_source)
+                if found is not None:
+                    return found
         return Located("memory", "miss", chunk.read_source,
                        fd=memory_file(relpath, chunk.data))
+
+    def _cache_file(self, key: bytes, record: FileRecord, result: str, source: str
+                    ) -> Located | None:
+        """The cache's file of ``record``, checked (None when it is not whole or failed)."""
+        fd = self.store.local_file(key, record)
+        if fd is None:
+            return None
+        # The record as it is once the file is checked: what tells this file apart from any
+        # other, for a caller that keeps it (see ``held``).
+        checked = self.store.lookup(key)
+        return Located("cache", result, source, fd=fd,
+                       checked_as=checked.checked_as if checked is not None else None)
 
     def _handle(self, relpath: str, key: bytes, attr: Attr, record: FileRecord | None
                 ) -> OpenFile:

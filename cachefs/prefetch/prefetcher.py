@@ -48,7 +48,8 @@ MAX_QUEUED_HINTS = 65_536
 HINT_TTL_SECONDS = 300.0
 # Prefetched into the cache but not opened within this time: wasted.
 UNUSED_TTL_SECONDS = 600.0
-MAX_UNUSED_TRACKED = 1_000_000
+# (A path and a time each: some 10 MiB at most; older ones are counted wasted.)
+MAX_UNUSED_TRACKED = 65_536
 STAGING_WAIT_SECONDS = 30.0
 MAINTENANCE_INTERVAL_SECONDS = 5.0
 # Errors that mean the hint named nothing the caller may read.

@@ -20,8 +20,10 @@ that a file is gone (ENOENT), it is gone.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +34,13 @@ from cachefs.remote.remote import Remote
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_ENTRIES = 1_000_000
+# Attributes remembered at most (about 200 bytes each: 40 MiB).  A file the kernel holds keeps
+# its attributes in its node as well (mirror/nodes.py); these are for the names it does not
+# hold yet: a listing's, a hint's.
+DEFAULT_MAX_ENTRIES = 200_000
+# An entry: mode, size, uid, gid, nlink, atime, mtime, ctime, and when it was fetched (the
+# monotonic clock), packed: a fifth of the objects an Attr and a tuple take.
+_ENTRY = struct.Struct("<IQIIIqqqd")
 # How long the kernel may keep entries and attributes that never change (--revalidate never).
 IMMUTABLE_KERNEL_SECONDS = 86400.0
 # Names of a listing remembered per turn of the lock.
@@ -66,7 +74,8 @@ class AttrCache:
         self._max_entries = max_entries
         self._lock = threading.Lock()
         # path -> (attr, monotonic time it was fetched); insertion order is age order.
-        self._entries: dict[str, tuple[Attr, float]] = {}
+        # packed _ENTRY (an Attr and the time only for times that do not pack)
+        self._entries: dict[str, bytes | tuple[Attr, float]] = {}
         # directory -> when its last listing started; directories being listed now.
         self._listed: dict[str, float] = {}
         self._listing: dict[str, threading.Event] = {}
@@ -79,7 +88,8 @@ class AttrCache:
     def get(self, relpath: str) -> Attr:
         """The file's attributes, fetched from the remote when older than the interval."""
         now = time.monotonic()
-        entry = self._entries.get(relpath)
+        raw = self._entries.get(relpath)
+        entry = None if raw is None else _unpack(raw)
         if entry is not None:
             if self._ttl is None or now - entry[1] < self._ttl or not self._remote.available:
                 return entry[0]
@@ -108,19 +118,20 @@ class AttrCache:
     def fresh_for(self, relpath: str) -> float:
         """Seconds the remembered attributes of ``relpath`` stay within the interval (what
         the kernel may cache them for); 0 when none are remembered or they are due."""
-        entry = self._entries.get(relpath)
-        if entry is None:
+        raw = self._entries.get(relpath)
+        if raw is None:
             return 0.0
         if self._ttl is None:
             return IMMUTABLE_KERNEL_SECONDS
-        return max(0.0, self._ttl - (time.monotonic() - entry[1]))
+        return max(0.0, self._ttl - (time.monotonic() - _fetched(raw)))
 
     def peek(self, relpath: str) -> Attr | None:
         """The attributes if memory holds them within the interval; never a round trip."""
-        entry = self._entries.get(relpath)
-        if entry is None or (self._ttl is not None and time.monotonic() - entry[1] >= self._ttl):
+        raw = self._entries.get(relpath)
+        if raw is None or (self._ttl is not None
+                           and time.monotonic() - _fetched(raw) >= self._ttl):
             return None
-        return entry[0]
+        return _unpack(raw)[0]
 
     def list_directory(self, relpath: str) -> list[tuple[str, int]]:
         """(name, file type bits) of each entry of the directory, from the remote; the
@@ -138,11 +149,10 @@ class AttrCache:
                         continue
                     path = prefix + name
                     known = entries.pop(path, None)
-                    if known is not None and known[1] >= started:
-                        attr, fetched = known  # a lookup's, newer than the listing: kept
+                    if known is not None and _fetched(known) >= started:
+                        entries[path] = known  # a lookup's, newer than the listing: kept
                     else:
-                        fetched = started
-                    entries[path] = (attr, fetched)
+                        entries[path] = _pack(attr, started)
                 self._trim_locked()
         with self._lock:
             if len(self._listed) >= self._max_entries:
@@ -256,14 +266,49 @@ class AttrCache:
 
     def _remember_locked(self, relpath: str, attr: Attr, now: float) -> None:
         self._entries.pop(relpath, None)
-        self._entries[relpath] = (attr, now)
+        self._entries[relpath] = _pack(attr, now)
         self._trim_locked()
 
     def _trim_locked(self) -> None:
         if len(self._entries) > self._max_entries:
             # Drop the oldest tenth: they would need a round trip soon anyway.
-            for old in list(self._entries)[: self._max_entries // 10]:
+            for old in list(itertools.islice(self._entries, self._max_entries // 10)):
                 del self._entries[old]
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def max_entries(self) -> int:
+        return self._max_entries
+
+
+_new_tuple = tuple.__new__
+
+
+def _pack(attr: Attr, fetched: float) -> bytes | tuple[Attr, float]:
+    try:
+        return _ENTRY.pack(attr.mode, attr.size, attr.uid, attr.gid, attr.nlink,
+                           attr.atime_ns, attr.mtime_ns, attr.ctime_ns, fetched)
+    except struct.error:  # a time past 2262 (a broken clock): kept as it is
+        return attr, fetched
+
+
+def _unpack(raw: bytes | tuple[Attr, float]) -> tuple[Attr, float]:
+    if type(raw) is tuple:
+        return raw
+    mode, size, uid, gid, nlink, atime, mtime, ctime, fetched = _ENTRY.unpack(raw)
+    return _new_tuple(Attr, (mode, size, uid, gid, nlink, atime, mtime, ctime)), fetched
+
+
+def _fetched(raw: bytes | tuple[Attr, float]) -> float:
+    if type(raw) is tuple:
+        return raw[1]
+    return _FETCHED.unpack_from(raw, _ENTRY.size - 8)[0]
+
+
+_FETCHED = struct.Struct("<d")
 
 
 def relpath_of(fuse_path: str) -> str:

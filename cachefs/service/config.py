@@ -17,6 +17,7 @@ from typing import Any
 from cachefs.errors import UsageError
 from cachefs.metrics import MetricsAddress
 from cachefs.peer.members import PeerList, parse_address
+from cachefs.remote.attrcache import DEFAULT_MAX_ENTRIES as DEFAULT_ATTR_CACHE_ENTRIES
 from cachefs.sizes import parse_size
 
 DEFAULT_METRICS_PORT = 9477
@@ -46,6 +47,8 @@ class Settings:
     revalidate_seconds: float | None = DEFAULT_REVALIDATE_SECONDS
     remote_timeout_seconds: float = DEFAULT_REMOTE_TIMEOUT_SECONDS
     prefetch_concurrency: int = DEFAULT_PREFETCH_CONCURRENCY
+    # Attributes of names the kernel does not hold, remembered at most (about 200 bytes each).
+    attr_cache_entries: int = DEFAULT_ATTR_CACHE_ENTRIES
     staging_bytes: int = DEFAULT_STAGING_BYTES
     allow_other: bool = False
     # Which files the kernel reads itself (FUSE passthrough) where it can: "auto", local
@@ -125,6 +128,14 @@ def _positive_seconds(value: Any) -> float:
     return number
 
 
+def _entries(value: Any) -> int:
+    problem = "is not a whole number between 1,000 and 100,000,000"
+    number = _number(value, int, problem)
+    if not 1000 <= number <= 100_000_000:
+        raise ValueError(f"{value!r} {problem}")
+    return number
+
+
 def _concurrency(value: Any) -> int:
     problem = "is not a whole number between 1 and 1024"
     number = _number(value, int, problem)
@@ -178,6 +189,7 @@ PARSERS = {
     "revalidate": _revalidate,
     "remote_timeout": _positive_seconds,
     "prefetch_concurrency": _concurrency,
+    "attr_cache_entries": _entries,
     "staging_size": _staging_size,
     "allow_other": _bool,
     "passthrough": _passthrough,

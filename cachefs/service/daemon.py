@@ -33,6 +33,7 @@ from cachefs.metrics import (
     MetricsAddress,
 )
 from cachefs.mirror.mirrorfs import MirrorFS
+from cachefs.mirror.nodes import NodeTable
 from cachefs.mirror.tree import CONTROL_NAME, CachedTree, is_control_entry
 from cachefs.peer.client import ClusterOrigin, PeerClient
 from cachefs.peer.members import Members
@@ -73,6 +74,12 @@ def socket_path(settings: Settings) -> Path:
     # Unix socket paths are limited to 107 bytes: name the socket by a hash.
     digest = xxhash.xxh64_hexdigest(os.fsencode(os.path.realpath(settings.mountpoint)))
     return (settings.runtime_dir or default_runtime_dir()) / f"{digest}.sock"
+
+
+def node_table_base(settings: Settings) -> Path:
+    """Where the mount's node table lives (mirror/nodes.py): beside its control socket, in the
+    runtime directory (tmpfs), where a daemon taking the mount over finds it."""
+    return socket_path(settings).with_suffix("")
 
 
 def default_log_file(mountpoint: Path) -> Path:
@@ -134,7 +141,10 @@ class Daemon:
                 on_error=lambda kind: m.remote_errors.labels(kind).inc(),
                 on_availability=lambda up: m.remote_available.set(1 if up else 0),
             )
-            attrs = AttrCache(self.remote, s.revalidate_seconds, self._recorded_attr)
+            attrs = AttrCache(self.remote, s.revalidate_seconds, self._recorded_attr,
+                              max_entries=s.attr_cache_entries)
+            m.bind_gauge(m.attr_cache_entries, lambda: attrs.entries)
+            m.attr_cache_capacity_entries.set(s.attr_cache_entries)
             origin = RemoteOrigin(self.remote)
             if members is not None:
                 own_remote_bytes = functools.partial(m.value, "cachefs_remote_read_bytes_total")
@@ -192,7 +202,10 @@ class Daemon:
 
     def _serve_session(self) -> None:
         s = self.settings
-        self.fs = MirrorFS(self.tree, on_mounted=self._on_mounted, metrics=self.metrics)
+        nodes = NodeTable(node_table_base(s), self.tree.getattr(""))
+        self.fs = MirrorFS(self.tree, on_mounted=self._on_mounted, metrics=self.metrics,
+                           nodes=nodes)
+        self.metrics.bind_gauge(self.metrics.nodes, lambda: len(nodes))
         self.store.on_dropped = lambda key, version: self.fs.drop_held(os.fsdecode(key),
                                                                        version)
         session = Session(self.fs, want_passthrough=s.passthrough != "off",
@@ -210,6 +223,7 @@ class Daemon:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             session.close()
+            nodes.close(remove=True)  # unmounted: no successor needs them
 
     def _on_mounted(self, connection: Connection) -> None:
         if connection.passthrough and self.settings.passthrough == "auto":
@@ -285,6 +299,7 @@ class Daemon:
             "integrity_failures": int(m.value("cachefs_integrity_failures_total")),
             "remote_available": bool(m.value("cachefs_remote_available")),
             "open_files": self.fs.open_files if self.fs else 0,
+            "memory": self._memory_status(),
             "data_path": self.data_path,
             "remote_handed_over": bool(self.remote_files and self.remote_files.enabled),
             "metrics_url": metrics_url,
@@ -301,6 +316,18 @@ class Daemon:
                 "under_way": self.remote_files.fills_under_way if self.remote_files else 0,
             },
             "cluster": self._cluster_status(),
+        }
+
+    def _memory_status(self) -> dict:
+        """What the daemon holds per file, against the bounds that keep it flat."""
+        attrs = self.tree.attrs if self.tree else None
+        return {
+            "nodes": len(self.fs.nodes) if self.fs else 0,
+            "node_table_bytes": self.fs.nodes.memory_bytes if self.fs else 0,
+            "attr_cache_entries": attrs.entries if attrs else 0,
+            "attr_cache_capacity_entries": attrs.max_entries if attrs else 0,
+            "held_files": self.fs.held_files if self.fs else 0,
+            "held_files_max": self.fs.max_held_files if self.fs else 0,
         }
 
     def _cluster_status(self) -> dict | None:

@@ -45,8 +45,9 @@ _FILE_UNCHECKED = struct.Struct("<qqIIIQqqIQ")
 UNCHECKED = (0, 0, 0)
 # checksum, length
 _CHUNK = struct.Struct("<QI")
-# Records kept in memory: about 200 bytes each, so some 50 MiB at most.
-MEMO_ENTRIES = 2**18
+# Records kept in memory: about 250 bytes each, so some 16 MiB at most (a record not kept
+# costs a query of about 10 us; a miss costs none, see presence.py).
+MEMO_ENTRIES = 2**16
 # Writes wait at most this long, or until there are FLUSH_RECORDS of them, before they are
 # committed together.
 FLUSH_SECONDS = 0.2

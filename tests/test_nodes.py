@@ -1,0 +1,114 @@
+"""The node table: the kernel's node ids and what each stands for, in mapped files a successor
+can read.  Unit tests of the data structure (the mounts that use it are tested through FUSE in
+test_mirror and test_scale)."""
+
+from __future__ import annotations
+
+import random
+import stat
+
+import pytest
+
+from cachefs.attr import Attr
+from cachefs.mirror.nodes import ROOT_ID, SLOT_BYTES, NodeTable
+
+DIR = Attr(stat.S_IFDIR | 0o755, 4096, 0, 0, 2, 1, 1, 1)
+
+
+def file_attr(size: int, mtime: int = 1) -> Attr:
+    return Attr(stat.S_IFREG | 0o644, size, 0, 0, 1, mtime, mtime, mtime)
+
+
+def names(count: int) -> list[bytes]:
+    """Names of every length a slot holds inline and of every block size beyond it."""
+    rng = random.Random(1)
+    return [f"{i}-{'x' * rng.randint(0, 240)}".encode() for i in range(count)]
+
+
+@pytest.fixture(params=["private", "files"])
+def table(request, tmp_path):
+    base = None if request.param == "private" else tmp_path / "t"
+    t = NodeTable(base, DIR)
+    yield t
+    t.close(remove=True)
+
+
+def test_a_lookup_gives_one_id_per_name_and_counts_the_kernels_references(table):
+    all_names = names(5000)
+    ids = {n: table.lookup(ROOT_ID, n, file_attr(i)) for i, n in enumerate(all_names)}
+    assert len(set(ids.values())) == len(all_names)
+    for i, n in enumerate(all_names):
+        assert table.lookup(ROOT_ID, n, file_attr(i)) == ids[n]
+        info = table.get(ids[n])
+        assert (info.parent, info.name, info.attr.size, info.lookups) == (ROOT_ID, n, i, 2)
+    assert table.get(ROOT_ID).name == b""
+    assert len(table) == len(all_names) + 1
+
+
+def test_a_new_version_is_a_new_node_and_the_old_lives_until_forgotten(table):
+    old = table.lookup(ROOT_ID, b"f", file_attr(10, mtime=1))
+    new = table.lookup(ROOT_ID, b"f", file_attr(10, mtime=2))
+    assert new != old
+    assert table.get(old).attr.mtime_ns == 1 and table.get(new).attr.mtime_ns == 2
+    assert table.lookup(ROOT_ID, b"f", file_attr(10, mtime=2)) == new
+    assert table.forget(old, 1) is True
+    assert table.get(old) is None
+    assert table.lookup(ROOT_ID, b"f", file_attr(10, mtime=2)) == new
+
+
+def test_forgotten_slots_and_names_are_reused(table):
+    all_names = names(4000)
+    ids = {n: table.lookup(ROOT_ID, n, file_attr(1)) for n in all_names}
+    peak = table.memory_bytes
+    for round_ in range(3):
+        for n in all_names:
+            assert table.forget(ids[n], 1) is True
+        assert len(table) == 1
+        ids = {n: table.lookup(ROOT_ID, n, file_attr(round_)) for n in all_names}
+    assert table.memory_bytes == peak
+    for n in all_names:
+        assert table.get(ids[n]).name == n
+
+
+def test_a_partial_forget_keeps_the_node(table):
+    nid = table.lookup(ROOT_ID, b"kept", file_attr(1))
+    table.lookup(ROOT_ID, b"kept", file_attr(1))
+    assert table.forget(nid, 1) is False
+    assert table.get(nid).lookups == 1
+
+
+def test_children_of_different_parents_do_not_mix(table):
+    a = table.lookup(ROOT_ID, b"a", DIR)
+    b = table.lookup(ROOT_ID, b"b", DIR)
+    in_a = table.lookup(a, b"same", file_attr(1))
+    in_b = table.lookup(b, b"same", file_attr(2))
+    assert in_a != in_b
+    assert table.get(in_a).parent == a and table.get(in_b).parent == b
+
+
+def test_the_memory_per_node_is_a_slot_and_an_index_entry(table):
+    for i in range(20000):
+        table.lookup(ROOT_ID, b"n%d" % i, file_attr(i))
+    # a slot, and 2 to 4 index buckets of 8 bytes (at most half full, doubled when fuller)
+    assert table.memory_bytes / 20000 <= SLOT_BYTES + 4 * 8 + 1
+
+
+def test_a_successor_maps_the_same_table(tmp_path):
+    base = tmp_path / "t"
+    first = NodeTable(base, DIR)
+    all_names = names(3000)
+    ids = {n: first.lookup(ROOT_ID, n, file_attr(i)) for i, n in enumerate(all_names)}
+    for n in all_names[::2]:
+        first.forget(ids[n], 1)
+    first.close()
+    second = NodeTable(base, DIR, take_over=True)
+    try:
+        for i, n in enumerate(all_names):
+            if i % 2:
+                assert second.get(ids[n]).name == n
+                assert second.lookup(ROOT_ID, n, file_attr(i)) == ids[n]
+            else:
+                assert second.get(ids[n]) is None
+    finally:
+        second.close(remove=True)
+    assert not list(tmp_path.iterdir())
