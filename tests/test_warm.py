@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.peakrss import run_with_peak_rss
 from cachefs.control.checkpoint import (
     BLOCK_PATHS,
     Block,
@@ -36,19 +37,13 @@ def warm_command(mount, listing: Path, *extra: str) -> list[str]:
 
 
 def run_warm_measured(tmp_path: Path, mount, listing: Path) -> tuple[int, str, str, int]:
-    """(exit status, stdout, stderr, peak RSS in bytes) of one ``cachefs warm``, its own (from
-    wait4, not the maximum over every child this test started)."""
+    """(exit status, stdout, stderr, peak RSS in bytes) of one ``cachefs warm``, its own (not
+    this test process's, which its ru_maxrss would include)."""
     out_path, err_path = tmp_path / "warm.out", tmp_path / "warm.err"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        child = subprocess.Popen(warm_command(mount, listing), stdout=out, stderr=err, cwd=REPO)
-    try:
-        _, status, usage = os.wait4(child.pid, 0)
-    except BaseException:
-        child.kill()
-        raise
-    child.returncode = os.waitstatus_to_exitcode(status)
-    return (child.returncode, out_path.read_text(), err_path.read_text(),
-            usage.ru_maxrss * 1024)
+        code, peak = run_with_peak_rss(warm_command(mount, listing), stdout=out, stderr=err,
+                                       cwd=REPO)
+    return code, out_path.read_text(), err_path.read_text(), peak
 
 
 def checkpoint_of(mount, listing: Path, state_dir: Path) -> Path:
