@@ -202,11 +202,12 @@ def allocated_bytes(path: Path) -> int:
     return total + os.lstat(path).st_blocks * 512
 
 
-def timed(command: list[str], timeout: float, env: dict | None = None) -> float:
+def timed(command: list[str], timeout: float, env: dict | None = None,
+          cwd: Path = REPO) -> float:
     """Seconds ``command`` took, its output thrown away; RuntimeError when it failed."""
     started = time.perf_counter()
     result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            timeout=timeout, env=env, cwd=REPO)
+                            timeout=timeout, env=env, cwd=cwd)
     seconds = time.perf_counter() - started
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:3])} failed: "
@@ -226,8 +227,10 @@ def walks(root: Path, after: Callable[[str], None] = lambda name: None) -> dict:
     return out
 
 
-def cachefs_cli(*args: str, timeout: float = 120.0) -> float:
-    return timed([sys.executable, "-m", "cachefs", *args], timeout, env=_cli_env())
+def cachefs_cli(mount: CachefsMount, *args: str, timeout: float = 120.0) -> float:
+    """Seconds a cachefs command of the mount's checkout took."""
+    return timed([sys.executable, "-m", "cachefs", *args], timeout, env=_cli_env(mount.tree),
+                 cwd=mount.tree)
 
 
 def status_request_seconds(mount: CachefsMount) -> float:
@@ -260,7 +263,8 @@ def warm(mount: CachefsMount, tree: Tree, out_dir: Path) -> dict:
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         status, peak = run_with_peak_rss(
             [sys.executable, "-m", "cachefs", "warm", str(mount.path), "--list",
-             str(tree.listing), "--restart"], stdout=out, stderr=err, env=_cli_env(), cwd=REPO)
+             str(tree.listing), *mount_warm_flags(mount)], stdout=out, stderr=err,
+            env=_cli_env(mount.tree), cwd=mount.tree)
     seconds = time.perf_counter() - started
     daemon_cpu = cpu_seconds(mount.pid) - cpu_before
     summary = stdout_path.read_text().strip()
@@ -270,6 +274,13 @@ def warm(mount: CachefsMount, tree: Tree, out_dir: Path) -> dict:
     return {"seconds": seconds, "files_per_second": tree.files / seconds,
             "daemon_cpu_us_per_file": daemon_cpu / tree.files * 1e6,
             "client_peak_rss_bytes": peak, "summary": summary}
+
+
+def mount_warm_flags(mount: CachefsMount) -> list[str]:
+    """--restart, where the checkout's warm has it (one from before it kept checkpoints has
+    nothing to restart from)."""
+    return ["--restart"] if (mount.tree / "cachefs" / "control" / "checkpoint.py").exists() \
+        else []
 
 
 def read_pass(readers: Readers, root: Path, tree: Tree, seed: int,
@@ -296,7 +307,7 @@ class Run:
         return CachefsMount(tree.root, self.run_dir / name, self.caches / cache,
                             cache_size_bytes=budget, fraction=1.0,
                             log_file=self.run_dir / f"{cache}.log",
-                            mount_timeout_s=MOUNT_TIMEOUT_S)
+                            tree=self.args.tree, mount_timeout_s=MOUNT_TIMEOUT_S)
 
 
 def cache_budget(tree: Tree) -> int:
@@ -323,7 +334,7 @@ def measure_big(run: Run, tree: Tree) -> dict:
                 empty[f"rss_after_{name}_bytes"] = rss_bytes(pid)
 
             empty["walks"] = walks(mount.path, after=rss_after)
-            empty["status_seconds"] = cachefs_cli("status", str(mount.path))
+            empty["status_seconds"] = cachefs_cli(mount, "status", str(mount.path))
         empty["unmount_seconds"] = mount.unmount_seconds
         out["empty"] = empty
 
@@ -339,7 +350,7 @@ def measure_big(run: Run, tree: Tree) -> dict:
             out["passes"]["steady"] = [read_pass(readers, mount.path, tree, 101 + r, mount.pid)
                                        for r in range(args.repeats)]
             out["rss_after_steady_bytes"] = rss_bytes(mount.pid)
-            out["status_seconds"] = cachefs_cli("status", str(mount.path))
+            out["status_seconds"] = cachefs_cli(mount, "status", str(mount.path))
             out["status_request_seconds"] = status_request_seconds(mount)
         out["unmount_seconds"] = mount.unmount_seconds
         out["cache_dir_bytes"] = allocated_bytes(run.caches / "cache")
@@ -404,6 +415,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict:
     run_dir.mkdir(parents=True)
     started = time.time()
     source = measure_this_tree()
+    if args.tree != REPO:
+        source["measured_tree"] = str(args.tree)
     big = ensure_tree(work, args.files, args.size, log)
     small = ensure_tree(work, args.small, args.size, log) if args.small else None
     results: dict = {
@@ -464,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "node's NVMe cache disk (default), or the work directory's file system")
     p.add_argument("--work-dir", type=Path, default=WORK_DIR,
                    help="where the trees are made and kept (default bench/work)")
+    p.add_argument("--tree", type=lambda text: Path(text).resolve(), default=REPO,
+                   help="the checkout whose cachefs is measured (default this one; another: "
+                   "git worktree add DIR COMMIT)")
     p.add_argument("--out", type=Path, default=OUT_DIR,
                    help="where latest.md and latest.json go (default bench/results/scale)")
     return p
@@ -476,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             or args.small < 0:
         parser.error("files, --size, --readers and --repeats must be positive")
     args.work_dir = args.work_dir.resolve()
+    if not (args.tree / "cachefs" / "__main__.py").exists():
+        parser.error(f"--tree {args.tree} is not a cachefs checkout")
     results, failed = measured("bench.scale", lambda: run(args))
     if failed:
         return failed

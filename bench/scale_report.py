@@ -253,7 +253,9 @@ def table(results: dict) -> str:
     settings = results["settings"]
     lines = [f"bench.scale: {settings['files']:,} files of {settings['size']:,} bytes, f = 1, "
              f"a local tree as the remote, {settings['readers']} readers, page cache dropped "
-             f"before each pass; commit {results['source']['commit']}, "
+             f"before each pass; commit {results['source']['commit']}"
+             + (f" (cachefs of {results['source']['measured_tree']})"
+                if results["source"].get("measured_tree") else "") + ", "
              f"{results['machine']['cores']} cores, {results['seconds']:,.0f} s", ""]
     width = max(len(r[0]) for r in rows(results))
     for what, mine, tree in rows(results):
@@ -276,7 +278,10 @@ def markdown(results: dict) -> str:
            f"--passthrough {settings['passthrough']}; passes repeated {settings['repeats']} "
            f"times (ranges).", "",
            f"Commit {results['source']['commit']} ({results['source']['uncommitted_files']} "
-           f"files changed), {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux "
+           f"files changed"
+           + (f"; cachefs of {results['source']['measured_tree']}"
+              if results["source"].get("measured_tree") else "")
+           + f"), {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux "
            f"{m['kernel']}, {m['date']}; load average {m['load_average']} before, "
            f"{m.get('load_average_after')} after; {results['seconds']:,.0f} s.", "",
            "| what | cachefs | the tree directly |", "|---|---|---|"]
