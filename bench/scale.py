@@ -138,6 +138,13 @@ def ensure_tree(work: Path, files: int, size: int, log: Callable[[str], None]) -
 _NAMES: list[str] = []
 
 
+def _reader_signals() -> None:
+    """A reader leaves Ctrl-C and SIGTERM to the benchmark, which ends the readers itself
+    (it would otherwise turn SIGTERM into KeyboardInterrupt in each, as it does for itself)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _read_share(job: tuple[str, bytes]) -> int:
     root, packed = job
     indices = array.array("I")
@@ -159,7 +166,7 @@ class Readers:
         _NAMES = names
         self.names = names
         self.count = count
-        self._pool = multiprocessing.get_context("fork").Pool(count)
+        self._pool = multiprocessing.get_context("fork").Pool(count, initializer=_reader_signals)
 
     def read_pass(self, root: Path, *, seed: int, expect_bytes: int) -> float:
         """Every file once, in a shuffled order, the page cache dropped first: seconds."""
