@@ -19,6 +19,7 @@ from pathlib import Path
 import xxhash
 
 from cachefs import __version__
+from cachefs.address import MetricsAddress
 from cachefs.control.server import ControlServer, Peer, Reply
 from cachefs.errors import CachefsError, UsageError
 from cachefs.kernel.mount import MountOptions
@@ -31,7 +32,6 @@ from cachefs.metrics import (
     READ_SOURCES,
     WARM_RESULTS,
     Metrics,
-    MetricsAddress,
 )
 from cachefs.mirror.mirrorfs import MirrorFS
 from cachefs.mirror.nodes import NodeTable
@@ -208,11 +208,11 @@ class Daemon:
         s = self.settings
         nodes = NodeTable(node_table_base(s), self.tree.getattr(""))
         self.fs = MirrorFS(self.tree, on_mounted=self._on_mounted, metrics=self.metrics,
-                           nodes=nodes)
+                           nodes=nodes, max_held=s.held_files)
         self.metrics.bind_gauge(self.metrics.nodes, lambda: len(nodes))
         self.store.on_dropped = lambda key, version: self.fs.drop_held(os.fsdecode(key),
                                                                        version)
-        session = Session(self.fs, want_passthrough=s.passthrough != "off",
+        session = Session(self.fs, want_passthrough=s.passthrough != "off", readdirplus=True,
                           on_unexpected=None)
         try:
             session.mount(str(s.mountpoint), MountOptions(
