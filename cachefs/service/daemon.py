@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
@@ -125,8 +127,7 @@ class Daemon:
                 admission = ClusterAdmission(s.fraction, s.seed, members)
             else:
                 admission = FractionAdmission(s.fraction, s.seed)
-            self.store = CacheStore.open(s.cache_dir, s.cache_size_bytes, admission,
-                                         on_integrity_failure=m.integrity_failures.inc)
+            self.store = _open_store(s, admission, m)
             store = self.store
             store.on_write_error = m.cache_write_errors.inc
             m.cache_capacity_bytes.set(s.cache_size_bytes)
@@ -413,6 +414,26 @@ class Daemon:
 def _caller(peer: Peer) -> Caller:
     """The peer with its supplementary groups (read once per process, not per hint)."""
     return Caller.of_process(peer.pid, peer.uid, peer.gid)
+
+
+def _open_store(s: Settings, admission, m: Metrics) -> CacheStore:
+    """The cache, or a one-line UsageError saying why the cache disk refuses it."""
+    try:
+        return CacheStore.open(s.cache_dir, s.cache_size_bytes, admission,
+                               on_integrity_failure=m.integrity_failures.inc)
+    except (OSError, sqlite3.Error) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        full = shutil.disk_usage(s.cache_dir).free == 0 or _no_free_inodes(s.cache_dir)
+        hint = "; the cache disk is full (space or inodes)" if full else ""
+        raise UsageError(f"cannot open the cache in {s.cache_dir}: {reason}{hint}") from None
+
+
+def _no_free_inodes(path: Path) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_favail == 0
 
 
 def report_ready(error: str | None = None) -> None:
