@@ -190,7 +190,7 @@ def test_the_scale_run_prints_every_row_and_leaves_no_mount(tmp_path: Path) -> N
     # The verdicts are computed, each target judged.
     verdicts = result["verdicts"]
     assert len(verdicts) == 14 and all(v["met"] in (True, False) for v in verdicts)
-    assert "projected to 1,000,000 from 10,000" in table
+    assert "projected linearly to 1,000,000 from 10,000" in table
     for verdict in verdicts:
         assert verdict["target"] in run.stdout
     # The trees are kept for the next run, found by their name.

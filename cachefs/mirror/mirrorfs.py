@@ -320,30 +320,22 @@ class MirrorFS:
         it over the next open (FOPEN_KEEP_CACHE) while the directory's version is the one it
         was listed at, as an NFS client does: a repeated walk costs one attribute check per
         directory, not a listing of the remote.  Only the version is kept here, per directory
-        node, not the listing: the kernel holds that."""
+        node, not the listing: the kernel holds that.  The listing itself is read at the first
+        READDIR, which says whether the attributes are wanted with the names."""
         node = self._node(nodeid)
         version = self._dir_version(node.relpath)
         fh = next(self._fhs)
         with self._lock:
             unchanged = self._listed.get(nodeid) == version
-        if unchanged:
-            with self._lock:
-                self._dirs[fh] = None  # listed at a READDIR the kernel's cache cannot answer
-            return p.open_out(fh, p.FOPEN_CACHE_DIR | p.FOPEN_KEEP_CACHE)
-        entries = self._list(node.relpath)
-        with self._lock:
-            self._dirs[fh] = entries
             self._listed[nodeid] = version
-        return p.open_out(fh, p.FOPEN_CACHE_DIR)
+            self._dirs[fh] = None
+        return p.open_out(fh, p.FOPEN_CACHE_DIR | (p.FOPEN_KEEP_CACHE if unchanged else 0))
 
     def _dir_version(self, relpath: str) -> tuple[int, int]:
         attr = self.tree.getattr(relpath)
         if not attr.is_dir:
             raise OSError(errno.ENOTDIR, relpath)
         return attr.mtime_ns, attr.ctime_ns
-
-    def _list(self, relpath: str) -> list[tuple[bytes, int]]:
-        return [(os.fsencode(name), mode) for name, mode in self.tree.listdir(relpath)]
 
     def readdir(self, req: Request, nodeid: int, fh: int, offset: int, size: int,
                 plus: bool) -> bytes:
@@ -352,7 +344,11 @@ class MirrorFS:
                 raise OSError(errno.EBADF, "directory not open")
             entries = self._dirs[fh]
         if entries is None:
-            entries = self._list(self._node(nodeid).relpath)
+            relpath = self._node(nodeid).relpath
+            # Names only for a walk that does not stat them; with their attributes once the
+            # kernel asks for them past the first page (its lookups showed they are wanted).
+            entries = [(os.fsencode(name), mode) for name, mode in
+                       self.tree.listdir(relpath, with_attrs=plus and offset > 0)]
             with self._lock:
                 if fh in self._dirs:
                     self._dirs[fh] = entries
@@ -373,11 +369,17 @@ class MirrorFS:
     def _readdirplus(self, parent: int, entries: list[tuple[bytes, int]], offset: int,
                      size: int) -> bytes:
         """Entries with their lookups (READDIRPLUS): ``ls -l`` or a walk that stats each file
-        costs one request per page of entries, not a LOOKUP per name.  The attributes came
-        with the listing (the attribute cache holds them).  Each entry given is one lookup
-        the kernel will forget, so an entry is looked up only once it is known to fit."""
+        costs one request per page of entries, not a LOOKUP per name.  The kernel asks for
+        the first page of every directory this way, wanted or not (``find`` does not stat):
+        that page carries the attributes memory holds and none it would have to fetch; a
+        later page is asked for so only after lookups in the directory, and its entries'
+        attributes are fetched, the whole directory's in one listing.  Each entry given
+        with attributes is one lookup the kernel will forget, so an entry is looked up only
+        once it is known to fit."""
         directory = self._dir_path(parent)
         prefix = f"{directory}/" if directory else ""
+        attrs = self.tree.attrs
+        listed = offset == 0
         out = []
         used = 0
         for index in range(offset, len(entries)):
@@ -386,9 +388,17 @@ class MirrorFS:
             if used + needed > size:
                 break
             relpath = prefix + os.fsdecode(name)
-            try:
-                attr = self.tree.getattr(relpath)
-            except OSError:  # gone since the listing: a name without attributes
+            attr = attrs.peek(relpath)
+            if attr is None and not listed:
+                self.tree.listdir(directory)  # every name's attributes, in one listing
+                listed = True
+                attr = attrs.peek(relpath)
+            if attr is None and offset > 0:
+                try:
+                    attr = self.tree.getattr(relpath)
+                except OSError:  # gone since the listing
+                    pass
+            if attr is None:  # a name without attributes: the kernel looks it up if wanted
                 entry, ino = p.entry_out(0, 0, 0.0, 0.0, bytes(p.ATTR.size)), 0xFFFF_FFFF
             else:
                 ino = self.nodes.lookup(parent, name, attr)

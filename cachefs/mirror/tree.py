@@ -156,8 +156,14 @@ class CachedTree:
             return self.control_target
         return self.remote.readlink(relpath)
 
-    def listdir(self, relpath: str) -> list[tuple[str, int]]:
-        entries = self.attrs.list_directory(relpath)
+    def listdir(self, relpath: str, *, with_attrs: bool = True) -> list[tuple[str, int]]:
+        """(name, file type bits) of each entry; ``with_attrs``, the attributes that come with
+        the listing are remembered (a walk that stats the names: ``ls -l``), else only the
+        names are read (``find``)."""
+        if with_attrs:
+            entries = self.attrs.list_directory(relpath)
+        else:
+            entries = self.remote.listnames(relpath)
         if self.control_target:  # a remote file of that name is hidden by the entry
             entries = [entry for entry in entries if entry[0] != CONTROL_NAME]
         return entries

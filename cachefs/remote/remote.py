@@ -147,6 +147,11 @@ class Remote:
         """
         return self.call(_scan, self.path(relpath))
 
+    def listnames(self, relpath: str) -> list[tuple[str, int]]:
+        """(name, file type bits) of each entry, from the directory alone (no attributes:
+        an NFS READDIR, no per-name GETATTR), for a walk that needs only the names."""
+        return self.call(_scan_names, self.path(relpath))
+
     def statvfs(self) -> os.statvfs_result:
         return self.call(os.statvfs, self.root)
 
@@ -223,6 +228,11 @@ def _scan(path: str) -> list[tuple[str, int, Attr | None]]:
             kind = _dirent_type(entry) if attr is None else _kind(attr.mode)
             listed.append((entry.name, kind, attr))
     return listed
+
+
+def _scan_names(path: str) -> list[tuple[str, int]]:
+    with os.scandir(path) as it:
+        return [(entry.name, _dirent_type(entry)) for entry in it]
 
 
 def _kind(mode: int) -> int:
