@@ -221,21 +221,40 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"cachefs: {note}", file=sys.stderr)
         return _mount_in_background(settings, argv)
 
+    from cachefs.service.supervisor import Supervisor
+
     _configure_logging(settings.log_file, args.debug)
-    instance = daemon.Daemon(settings)
+    # The supervisor holds the mount's connection; its children serve it, one after the other.
+    ready = os.environ.pop(daemon.READY_FD_ENV, None)
+    supervisor = Supervisor(str(settings.mountpoint),
+                            lambda succession: _serve_mount(settings, succession),
+                            ready_fd=int(ready) if ready and ready.isdigit() else None)
+    return supervisor.run()
+
+
+def _serve_mount(settings, succession) -> int:
+    """A serving child: start the daemon, mount (or take the mount over) and serve until it
+    ends; 0 when it ended by an unmount."""
+    from cachefs.service import daemon
+
+    instance = daemon.Daemon(settings, succession)
     try:
-        instance.start()
+        try:
+            instance.start()
+        except UsageError as exc:
+            daemon.report_ready(str(exc))
+            raise
+        try:
+            instance.serve()
+        except RuntimeError as exc:
+            message = f"mounting {settings.mountpoint} failed ({exc}); see the log for the reason"
+            daemon.report_ready(message)
+            raise UsageError(message) from None
+        finally:
+            instance.stop()
     except UsageError as exc:
-        daemon.report_ready(str(exc))
-        raise
-    try:
-        instance.serve()
-    except RuntimeError as exc:
-        message = f"mounting {settings.mountpoint} failed ({exc}); see the log for the reason"
-        daemon.report_ready(message)
-        raise UsageError(message) from None
-    finally:
-        instance.stop()
+        print(f"cachefs mount: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     return 0
 
 
@@ -310,9 +329,10 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         raise UsageError(f"{mountpoint} is not mounted")
     if entry.fstype != FSTYPE:
         raise UsageError(f"{mountpoint} is a {entry.fstype} mount, not cachefs; use umount")
-    pid = None
+    pid = supervisor = None
     try:
-        pid = fetch_status(mountpoint).get("pid")
+        st = fetch_status(mountpoint)
+        pid, supervisor = st.get("pid"), st.get("supervisor_pid")
     except UsageError:
         pass  # a dead or hung daemon: unmounting is all there is to do
     result = unmount(mountpoint, lazy=args.lazy)
@@ -322,6 +342,8 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot unmount {mountpoint}: {reason}{hint}")
     if pid and not args.lazy:
         wait_gone(pid, 30.0)
+    if supervisor and not args.lazy:
+        wait_gone(supervisor, 10.0)
     return 0
 
 
