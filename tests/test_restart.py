@@ -208,6 +208,9 @@ def test_kill_9_under_8_readers_costs_them_a_wait_not_an_error(
     longest = max(r["max_wait"] for r in results)
     assert longest <= pause + 1.0, (longest, pause)
     assert mount.metric("cachefs_restarts_total") == 1
+    shown = run_cachefs("status", str(mount.path)).stdout
+    assert f"restarts     1 since the mount (supervisor pid {first['supervisor_pid']})" in shown
+    assert f"after a pause of {pause * 1000:.0f} ms" in shown
     assert mount.metric("cachefs_restart_pause_seconds") == pytest.approx(pause, abs=1e-3)
     print(f"\npassthrough {passthrough}: pause {pause * 1000:.0f} ms, longest reader wait "
           f"{longest * 1000:.0f} ms, {sum(r['reads'] for r in results)} reads")
