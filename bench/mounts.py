@@ -49,7 +49,7 @@ class CachefsMount:
 
     def __init__(self, backing: Path, path: Path, cache_dir: Path, *, cache_size_bytes: int,
                  fraction: float, log_file: Path, extra_args: tuple[str, ...] = (),
-                 tree: Path = REPO) -> None:
+                 tree: Path = REPO, mount_timeout_s: float = MOUNT_TIMEOUT_S) -> None:
         self.backing = backing
         self.path = path
         self.cache_dir = cache_dir
@@ -58,8 +58,12 @@ class CachefsMount:
         self.log_file = log_file
         self.extra_args = extra_args
         self.tree = tree  # the checkout whose cachefs serves (another one: a baseline)
+        self.mount_timeout_s = mount_timeout_s
         self.pid: int | None = None
         self.metrics_url: str | None = None
+        # How long `cachefs mount` took to return, and `cachefs unmount` (once unmounted).
+        self.mount_seconds: float | None = None
+        self.unmount_seconds: float | None = None
 
     def _cli(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True,
@@ -71,11 +75,13 @@ class CachefsMount:
         if slowfs.is_mounted(self.path):
             raise MountError(f"{self.path} is already a mount point")
         try:
+            started = time.perf_counter()
             result = self._cli(
                 "mount", str(self.backing), str(self.path), "--cache-dir", str(self.cache_dir),
                 "--cache-size", str(self.cache_size_bytes), "--fraction", f"{self.fraction:g}",
                 "--metrics-addr", "127.0.0.1:0", "--log-file", str(self.log_file),
-                *self.extra_args, timeout=MOUNT_TIMEOUT_S)
+                *self.extra_args, timeout=self.mount_timeout_s)
+            self.mount_seconds = time.perf_counter() - started
             if result.returncode != 0:
                 raise MountError(f"cachefs mount failed: {result.stderr.strip()} "
                                  f"(log: {self.log_file})")
@@ -116,7 +122,9 @@ class CachefsMount:
         """Unmount and wait for the daemon; escalate until nothing is left mounted."""
         if slowfs.is_mounted(self.path):
             try:
-                self._cli("unmount", str(self.path), timeout=UNMOUNT_TIMEOUT_S)
+                started = time.perf_counter()
+                if self._cli("unmount", str(self.path), timeout=UNMOUNT_TIMEOUT_S).returncode == 0:
+                    self.unmount_seconds = time.perf_counter() - started
             except subprocess.TimeoutExpired:
                 pass
             _force_unmount(self.path)
@@ -201,10 +209,11 @@ class ScratchDisk:
     ext4 without a journal, where each file created scans past the inodes deleted in the last
     minutes (9 % of a fill's CPU).  Unmounted by ``close`` (lazily when still busy)."""
 
-    def __init__(self, work: Path, size_bytes: int) -> None:
+    def __init__(self, work: Path, size_bytes: int, inodes: int | None = None) -> None:
         self.image = work / "cache-disk.img"
         self.path = work / "cache-disk"
         self.size_bytes = size_bytes
+        self.inodes = inodes  # at least this many (mkfs's default: one per 16 KiB)
         self._mounted = False
 
     def __enter__(self) -> Path:
@@ -212,8 +221,9 @@ class ScratchDisk:
         with open(self.image, "wb") as f:
             f.truncate(self.size_bytes)
         try:
-            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(self.image)], check=True,
-                           capture_output=True, timeout=120)
+            inodes = ["-N", str(self.inodes)] if self.inodes else []
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", *inodes, str(self.image)],
+                           check=True, capture_output=True, timeout=300)
             subprocess.run(["mount", "-o", "loop", str(self.image), str(self.path)],
                            check=True, capture_output=True, timeout=60)
         except (OSError, subprocess.SubprocessError) as exc:

@@ -23,6 +23,7 @@ HINT_RESULTS = ("accepted", "cached", "invalid", "dropped")
 PREFETCH_RESULTS = ("used", "wasted", "failed")
 REMOTE_ERROR_KINDS = ("timeout", "eio", "estale", "eacces", "other")
 FILL_RESULTS = ("stored", "not_stored", "changed", "failed", "skipped")
+WARM_RESULTS = ("fetched", "cached", "not_admitted", "cache_full", "failed")
 PEER_FETCH_RESULTS = ("ok", "refused", "unavailable", "rejected")
 PEER_SERVED_RESULTS = ("ok", "denied", "refused", "failed")
 # A chunk from a peer on the same network: about a millisecond, more for a 4 MiB chunk.
@@ -122,6 +123,10 @@ class Metrics:
             "remote's own file, by result: stored, not_stored (not admitted, or no room), "
             "changed (the remote file changed during the copy: nothing stored), failed, "
             "skipped (too many waiting: filled at a later open)", ["result"], registry=r)
+        self.warm_files = Counter(
+            "cachefs_warm_files", "Files cachefs warm asked for (FETCH), by the answer: fetched, "
+            "cached (already), not_admitted (outside the fraction), cache_full, failed",
+            ["result"], registry=r)
         self.fills_under_way = Gauge(
             "cachefs_fills_under_way", "Files being copied into the cache by the kernel now, "
             "or waiting to be", registry=r)
@@ -193,6 +198,8 @@ class Metrics:
             self.prefetch_files.labels(result)
         for result in FILL_RESULTS:
             self.fills.labels(result)
+        for result in WARM_RESULTS:
+            self.warm_files.labels(result)
         for kind in REMOTE_ERROR_KINDS:
             self.remote_errors.labels(kind)
         self.remote_available.set(1)

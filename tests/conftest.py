@@ -147,6 +147,15 @@ class CachefsMount:
         return "\n".join(text.splitlines()[-lines:])
 
 
+@pytest.fixture(autouse=True)
+def warm_checkpoints(tmp_path: Path, monkeypatch) -> Path:
+    """Where ``cachefs warm`` keeps its checkpoints in a test (and its children): the
+    test's own directory, never the host's state directory."""
+    path = tmp_path / "state"
+    monkeypatch.setenv("CACHEFS_STATE_DIR", str(path))
+    return path
+
+
 @pytest.fixture
 def source(tmp_path: Path) -> Path:
     """The directory the emulated remote serves (tests write the dataset here)."""

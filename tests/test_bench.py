@@ -161,3 +161,38 @@ def test_the_cluster_run_reads_the_remote_once_and_checks_every_byte(tmp_path: P
     assert f"compared with the dataset's bytes (length and xxh3): {6 * examples:,} reads" \
         in run.stdout
     assert "\n!" not in run.stdout
+
+
+@pytest.mark.timeout(200)
+def test_the_scale_run_prints_every_row_and_leaves_no_mount(tmp_path: Path) -> None:
+    from bench import scale_report
+
+    out, work = tmp_path / "scale", tmp_path / "work"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.scale", "10000", "--small", "2000", "--repeats", "1",
+         "--work-dir", str(work), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=190)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open("/proc/self/mountinfo") as mounts:
+        assert str(tmp_path) not in mounts.read()
+    assert not (work / "scale" / "run").exists() or not any((work / "scale" / "run").iterdir())
+    result = json.loads((out / "latest.json").read_text())
+    table = (out / "latest.md").read_text()
+    for what, mine, _tree in scale_report.rows(result):
+        assert what in run.stdout and f"| {what} | {mine} |" in table
+    # Every file was warmed and read: the passes read every byte (or the run would fail).
+    big = result["big"]
+    assert ": 10,000 fetched " in big["warm"]["summary"]
+    assert big["warm"]["files_per_second"] > 0 and big["warm"]["client_peak_rss_bytes"] > 0
+    assert big["rss_after_warm_bytes"] > big["rss_empty_bytes"] > 0
+    assert all(p["files_per_second"] > 0 for p in big["passes"]["steady"])
+    assert big["mount_after_kill_seconds"] > 0 and big["status_request_seconds"] > 0
+    # The verdicts are computed, each target judged.
+    verdicts = result["verdicts"]
+    assert len(verdicts) == 14 and all(v["met"] in (True, False) for v in verdicts)
+    assert "projected to 1,000,000 from 10,000" in table
+    for verdict in verdicts:
+        assert verdict["target"] in run.stdout
+    # The trees are kept for the next run, found by their name.
+    assert (work / "scale" / "tree-10000x4096").is_dir()
+    assert len((work / "scale" / "tree-10000x4096.paths").read_text().split()) == 10000

@@ -1,61 +1,79 @@
 """`cachefs warm`: fill the cache from a list of paths before training starts.
 
-Sends ``FETCH path`` requests over several control connections at once (the
-daemon fetches each from the remote into the cache, if the file is admitted)
-and shows a progress bar (on a terminal; plain lines otherwise) and a summary.
-Without a list, every file under the mount is warmed.
+Sends ``FETCH path`` requests over several control connections (the daemon fetches each
+file from the remote into the cache, if the file is admitted, on the connection's thread),
+each connection carrying up to PIPELINE_DEPTH requests at once: the daemon answers them in
+order, and never waits for the next request to come.  One thread reads the list, sends and
+reads the answers, so that the client costs a few microseconds per path and holds only the
+paths in flight, whatever the length of the list (warmlist.py).  A checkpoint of how far the
+list was answered lets a warm run again go on where an interrupted one stopped
+(checkpoint.py).  Progress goes to stderr (a bar on a terminal; plain lines otherwise), the
+summary to stdout.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import json
 import os
+import selectors
+import signal
+import socket
 import sys
-import threading
 import time
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachefs.control.client import connect, request
-from cachefs.errors import UsageError
+from cachefs.control.checkpoint import (
+    BLOCK_PATHS,
+    COMMIT_SECONDS,
+    RESULTS,
+    Block,
+    Checkpoint,
+    Progress,
+    block_hasher,
+    skip_done,
+)
+from cachefs.control.client import connect
+from cachefs.control.concurrency import ConcurrencyTuner
+from cachefs.control.server import MAX_LINE_BYTES
+from cachefs.control.warmlist import PathList
 from cachefs.sizes import format_bytes
 
-DEFAULT_CONNECTIONS = 16
+# At most this many files fetched at once; concurrency.py finds how many go fastest.
+DEFAULT_CONNECTIONS = 32
+# Requests sent ahead on each connection: the daemon's thread for it finds the next one
+# waiting as it answers one (a round trip to the client would leave it idle).
+PIPELINE_DEPTH = 16
+# The answers are taken in rounds at most this often: a round handles every answer that came
+# meanwhile, so that the client wakes a few hundred times a second, not once per file.
+# (PIPELINE_DEPTH requests per connection cover a round at tens of thousands of files/s.)
+ROUND_SECONDS = 0.002
+# The daemon answers a FETCH once the file is in the cache, bounded by its --remote-timeout.
+REPLY_TIMEOUT_SECONDS = 600.0
+PROGRESS_EVERY_SECONDS = 0.1
+MAX_ERRORS_SHOWN = 10
 
 
-def read_list(source: str) -> Iterator[str]:
-    """Paths from a file (one per line) or from stdin for ``-``; blank lines skipped."""
-    try:
-        stream = sys.stdin if source == "-" else open(  # noqa: SIM115 (closed below)
-            source, encoding="utf-8", errors="surrogateescape")
-    except OSError as exc:
-        raise UsageError(f"cannot read list {source}: {exc.strerror}") from None
-    with stream:
-        for line in stream:
-            path = line.rstrip("\n")
-            if path.strip():
-                yield path
-
-
-def walk_files(mountpoint: Path) -> Iterator[str]:
-    for directory, _dirs, files in os.walk(mountpoint):
-        for name in files:
-            yield os.path.relpath(os.path.join(directory, name), mountpoint)
+class WarmStopped(Exception):
+    """The warm cannot go on (the daemon went away); the message says why, in one line."""
 
 
 class _Progress:
-    """Progress on stderr: rich's bar with rate and ETA on a terminal; into a pipe or a
-    log, one plain line every ``PLAIN_EVERY_SECONDS`` (none for a warm shorter than that).
+    """Progress on stderr: rich's bar with rate and ETA on a terminal (no bar and no ETA
+    without a total: stdin, a walk); into a pipe or a log, one plain line every
+    ``PLAIN_EVERY_SECONDS`` (none for a warm shorter than that).
 
-    Thread safety: ``update`` is called with the caller's lock held.
+    Thread safety: used by one thread.
     """
 
     PLAIN_EVERY_SECONDS = 10.0
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int | None, done: int) -> None:
         self.total = total
         self.started = time.monotonic()
+        self._done_before = done
         self._last_line = self.started
         self._bar = None
         if sys.stderr.isatty():
@@ -69,13 +87,18 @@ class _Progress:
                 TimeRemainingColumn,
             )
 
-            self._bar = Progress(
-                TextColumn("warming"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("files"), _files_per_second_column(),
-                TextColumn("[cyan]{task.fields[cached]}"), TimeElapsedColumn(),
-                TextColumn("eta"), TimeRemainingColumn(),
-                console=Console(stderr=True), transient=False)
-            self._task = self._bar.add_task("warm", total=total, cached=format_bytes(0))
+            if total is None:
+                columns = [TextColumn("warming"), TextColumn("{task.completed:,.0f} files")]
+            else:
+                columns = [TextColumn("warming"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("files")]
+            columns += [_files_per_second_column(), TextColumn("[cyan]{task.fields[cached]}"),
+                        TimeElapsedColumn()]
+            if total is not None:
+                columns += [TextColumn("eta"), TimeRemainingColumn()]
+            self._bar = Progress(*columns, console=Console(stderr=True), transient=False)
+            self._task = self._bar.add_task("warm", total=total, completed=done,
+                                            cached=format_bytes(0))
             self._bar.start()
 
     def update(self, done: int, nbytes: int) -> None:
@@ -85,8 +108,9 @@ class _Progress:
         now = time.monotonic()
         if now - self._last_line >= self.PLAIN_EVERY_SECONDS:
             self._last_line = now
-            rate = done / max(now - self.started, 1e-9)
-            print(f"warm: {done:,}/{self.total:,} files, {format_bytes(nbytes)} new, "
+            rate = (done - self._done_before) / max(now - self.started, 1e-9)
+            of = "" if self.total is None else f"/{self.total:,}"
+            print(f"warm: {done:,}{of} files, {format_bytes(nbytes)} new, "
                   f"{rate:,.0f} files/s", file=sys.stderr, flush=True)
 
     def finish(self) -> None:
@@ -106,51 +130,284 @@ def _files_per_second_column():
     return FilesPerSecond()
 
 
-def warm(mountpoint: str, paths: Iterable[str], connections: int = DEFAULT_CONNECTIONS) -> int:
-    """Warm ``paths``; prints a summary, returns the exit status (1 when any failed)."""
-    paths = list(paths)
+@dataclass
+class _OpenBlock:
+    """A block of the list with paths read but not all answered."""
+
+    hasher: object = field(default_factory=block_hasher)
+    read: int = 0
+    answered: int = 0
+    counts: list[int] = field(default_factory=lambda: [0] * len(RESULTS))
+    new_bytes: int = 0
+    digest: int | None = None  # once every path of it has been read
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    inflight: deque[tuple[int, bytes]] = field(default_factory=deque)  # (block, path)
+    outgoing: list[bytes] = field(default_factory=list)
+    received: bytearray = field(default_factory=bytearray)
+
+
+class _Warm:
+    """One warm: the list read in order, its paths sent over the connections, the answers
+    counted by block, and the checkpoint advanced as blocks complete.
+
+    Thread safety: used by one thread.
+    """
+
+    def __init__(self, target: str, paths: Iterator[bytes], done: Progress,
+                 checkpoint: Checkpoint | None, connections: int) -> None:
+        self.paths = paths
+        self.done = done  # the blocks answered whole, from the start of the list
+        self.checkpoint = checkpoint
+        self.earlier = done.paths  # answered by an earlier warm
+        self.counts: Counter[str] = done.counts()
+        self.new_bytes = done.new_bytes()
+        self.errors: list[str] = []
+        self._blocks: dict[int, _OpenBlock] = {}
+        self._next_block = len(done.blocks)  # the first block not answered whole
+        self._position = done.paths  # of the next path read
+        self._exhausted = False
+        self._saved_blocks = len(done.blocks)
+        self._saved_at = time.monotonic()
+        self._tuner = ConcurrencyTuner(connections)
+        self._target = target
+        self._selector = selectors.DefaultSelector()
+        self._connections: list[_Connection] = []  # opened as the concurrency first needs
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(REPLY_TIMEOUT_SECONDS)
+            sock.connect(self._target)
+        except OSError as exc:
+            sock.close()
+            raise WarmStopped(f"cannot connect to the daemon ({_reason(exc)})") from None
+        conn = _Connection(sock)
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+        self._connections.append(conn)
+
+    def close(self) -> None:
+        self._selector.close()
+        for conn in self._connections:
+            conn.sock.close()
+
+    @property
+    def answered(self) -> int:
+        return sum(self.counts.values())
+
+    def run(self, progress: _Progress) -> None:
+        last_shown = 0.0
+        while True:
+            while len(self._connections) < self._tuner.current:
+                self._connect()
+            self._send_more([conn for conn in self._connections[:self._tuner.current]
+                             if len(conn.inflight) < PIPELINE_DEPTH])
+            if not any(conn.inflight for conn in self._connections):
+                break
+            round_started = time.monotonic()
+            events = self._selector.select(REPLY_TIMEOUT_SECONDS)
+            if not events:
+                raise WarmStopped(f"the daemon answered nothing for {REPLY_TIMEOUT_SECONDS:g} s")
+            pause = ROUND_SECONDS - (time.monotonic() - round_started)
+            if pause > 0:
+                time.sleep(pause)
+                events = self._selector.select(0)
+            before = self.answered
+            for key, _ in events:
+                self._receive(key.data)
+            now = time.monotonic()
+            self._tuner.answered(self.answered - before, now)
+            if now - self._saved_at >= COMMIT_SECONDS:
+                self.save()
+            if now - last_shown >= PROGRESS_EVERY_SECONDS:
+                last_shown = now
+                progress.update(self.answered, self.new_bytes)
+        progress.update(self.answered, self.new_bytes)
+
+    def save(self) -> None:
+        """Commit the blocks answered whole since the last commit."""
+        self._saved_at = time.monotonic()
+        self._advance()
+        if self.checkpoint is not None and len(self.done.blocks) != self._saved_blocks:
+            self.checkpoint.save(self.done)
+            self._saved_blocks = len(self.done.blocks)
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send_more(self, connections: list[_Connection]) -> None:
+        """Top ``connections`` up to PIPELINE_DEPTH requests each, then send them."""
+        for conn in connections:
+            while not self._exhausted and len(conn.inflight) < PIPELINE_DEPTH:
+                path = next(self.paths, None)
+                if path is None:
+                    self._exhausted = True
+                    self._close_reading()
+                    break
+                number = self._position // BLOCK_PATHS
+                self._position += 1
+                block = self._blocks.get(number)
+                if block is None:
+                    block = self._blocks[number] = _OpenBlock()
+                block.hasher.update(path + b"\n")
+                block.read += 1
+                if block.read == BLOCK_PATHS:
+                    block.digest = block.hasher.intdigest()
+                line = b"FETCH " + path + b"\n"
+                if len(line) > MAX_LINE_BYTES + 1:  # the daemon would skip it, unanswered
+                    self._answer(number, path, None)
+                    continue
+                conn.inflight.append((number, path))
+                conn.outgoing.append(line)
+            if conn.outgoing:
+                data = b"".join(conn.outgoing)
+                conn.outgoing.clear()
+                try:
+                    conn.sock.sendall(data)
+                except OSError as exc:
+                    raise WarmStopped(f"lost the connection to the daemon ({_reason(exc)})") \
+                        from None
+        self._advance()
+
+    def _close_reading(self) -> None:
+        """The list is read to its end: its last block, however short, is read whole."""
+        last = self._blocks.get((self._position - 1) // BLOCK_PATHS)
+        if last is not None and last.digest is None:
+            last.digest = last.hasher.intdigest()
+
+    # -- answers ---------------------------------------------------------------------------
+
+    def _receive(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except OSError as exc:
+            raise WarmStopped(f"lost the connection to the daemon ({_reason(exc)})") from None
+        if not data:
+            raise WarmStopped("the daemon closed the connection (unmounted, or stopped)")
+        received = conn.received
+        received += data
+        start = 0
+        while (end := received.find(b"\n", start)) >= 0:
+            number, path = conn.inflight.popleft()
+            self._answer(number, path, bytes(received[start:end]))
+            start = end + 1
+        del received[:start]
+
+    def _answer(self, number: int, path: bytes, reply: bytes | None) -> None:
+        result, size, error = _parse(reply)
+        block = self._blocks[number]
+        if result == "fetched":
+            block.new_bytes += size
+            self.new_bytes += size
+        block.counts[RESULTS.index(result)] += 1
+        self.counts[result] += 1
+        block.answered += 1  # last: a block is only saved once its counts are all in
+        if error is not None and len(self.errors) < MAX_ERRORS_SHOWN:
+            self.errors.append(f"{os.fsdecode(path)}: {error}")
+
+    def _advance(self) -> None:
+        """Move the blocks answered whole, in order from the start, into ``done``."""
+        while (block := self._blocks.get(self._next_block)) is not None \
+                and block.digest is not None and block.answered == block.read:
+            self.done.blocks.append(Block(block.digest, tuple(block.counts), block.new_bytes))
+            del self._blocks[self._next_block]
+            self._next_block += 1
+
+
+def _parse(reply: bytes | None) -> tuple[str, int, str | None]:
+    """(result, bytes fetched, error) of a FETCH reply; None: a path too long to send."""
+    if reply is None:
+        return "failed", 0, "path too long"
+    try:
+        body = json.loads(reply)
+        if body.get("ok"):
+            result = body["result"]
+            if result in RESULTS and result != "failed":
+                return result, int(body.get("bytes", 0)), None
+            return "failed", 0, f"unexpected answer {reply[:80]!r}"
+        return "failed", 0, str(body.get("error", "failed"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "failed", 0, f"unexpected answer {reply[:80]!r}"
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def warm(mountpoint: str, paths: PathList, connections: int = DEFAULT_CONNECTIONS, *,
+         restart: bool = False, state_dir: Path | None = None) -> int:
+    """Warm the paths of ``paths``; prints a summary, returns the exit status (1 when any
+    failed, 130 when interrupted)."""
     probe = connect(mountpoint)  # fail early, with one line, when it is not a cachefs mount
-    probe.close()
-    results: Counter[str] = Counter()
-    errors: list[str] = []
-    nbytes = 0
-    lock = threading.Lock()
-    progress = _Progress(len(paths))
-    local = threading.local()
+    try:
+        target = probe.getpeername()
+    finally:
+        probe.close()
+    try:
+        checkpoint = Checkpoint(Path(mountpoint), paths.identity, state_dir)
+    except OSError as exc:
+        checkpoint = None
+        print(f"warm: cannot keep a checkpoint ({exc}); an interrupted warm will start over",
+              file=sys.stderr)
+    try:
+        return _warm_with(target, paths, connections, checkpoint, restart)
+    finally:
+        if checkpoint is not None:
+            checkpoint.close()
 
-    def fetch(path: str) -> None:
-        nonlocal nbytes
-        sock = getattr(local, "sock", None)
-        if sock is None:
-            sock = local.sock = connect(mountpoint, timeout=600)
-        reply = request(sock, b"FETCH " + os.fsencode(path))
-        with lock:
-            if reply.get("ok"):
-                results[reply["result"]] += 1
-                nbytes += reply.get("bytes", 0)
-            else:
-                results["failed"] += 1
-                if len(errors) < 10:
-                    errors.append(f"{path}: {reply.get('error', 'failed')}")
-            progress.update(sum(results.values()), nbytes)
 
+def _warm_with(target: str, paths: PathList, connections: int,
+               checkpoint: Checkpoint | None, restart: bool) -> int:
+    source = paths.paths()
+    done = Progress()
+    if checkpoint is not None and not restart:
+        recorded, note = checkpoint.load()
+        if recorded.blocks:
+            done, source, note = skip_done(source, recorded)
+        if note is not None:
+            print(f"warm: {note}", file=sys.stderr)
+        if done.blocks:
+            print(f"warm: going on after path {done.paths:,} of the list, where an earlier "
+                  "warm of it stopped (--restart to start over)", file=sys.stderr)
     started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(max(1, connections)) as pool:
-        for future in [pool.submit(fetch, p) for p in paths]:
-            try:
-                future.result()
-            except (OSError, UsageError, ValueError) as exc:
-                with lock:
-                    results["failed"] += 1
-                    if len(errors) < 10:
-                        errors.append(str(exc))
-    progress.update(sum(results.values()), nbytes)
-    progress.finish()
+    job = _Warm(target, source, done, checkpoint, connections)
+    progress = _Progress(paths.total, job.earlier)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    stopped: str | None = None
+    try:
+        job.run(progress)
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    except WarmStopped as exc:
+        stopped = str(exc)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        progress.finish()
+        job.close()
+        if stopped is None and checkpoint is not None:
+            checkpoint.remove()  # the whole list is answered: a next warm starts over
+        elif checkpoint is not None:
+            job.save()
+    if stopped is not None:
+        kept = job.done.paths
+        resume = (f"run the same command again to go on after path {kept:,}" if
+                  checkpoint is not None and kept else "nothing to go on from")
+        print(f"warm: {stopped} after {job.answered:,} files; {resume}", file=sys.stderr)
+        return 130 if stopped == "interrupted" else 1
     elapsed = time.monotonic() - started
-    print(f"warmed {len(paths):,} files in {elapsed:.1f} s: {results['fetched']:,} fetched "
-          f"({format_bytes(nbytes)} now cached), {results['cached']:,} already cached, "
-          f"{results['not_admitted']:,} not admitted by the fraction, "
-          f"{results['cache_full']:,} left out (cache full), {results['failed']:,} failed")
-    for line in errors:
+    counts = job.counts
+    earlier = f", {job.earlier:,} of them by an earlier warm" if job.earlier else ""
+    print(f"warmed {job.answered:,} files in {elapsed:.1f} s{earlier}: "
+          f"{counts['fetched']:,} fetched ({format_bytes(job.new_bytes)} now cached), "
+          f"{counts['cached']:,} already cached, "
+          f"{counts['not_admitted']:,} not admitted by the fraction, "
+          f"{counts['cache_full']:,} left out (cache full), {counts['failed']:,} failed")
+    for line in job.errors:
         print(f"  failed: {line}", file=sys.stderr)
-    return 1 if results["failed"] else 0
+    return 1 if counts["failed"] else 0

@@ -266,9 +266,13 @@ class Prefetcher:
         except (NotInTree, FileNotFoundError, NotADirectoryError, PermissionError) as exc:
             return {"ok": False, "error": f"not a readable file in the tree ({exc})"}
         key = relpath_key(relpath)
-        if self._cached(key, attr):
+        admission = self.store.admission
+        eligible = admission.eligible(relpath)
+        # A file outside the fraction is cached only where the cache holds others (a
+        # cluster's node): elsewhere, most files of a warm at f < 1, no look in the index.
+        if (eligible or admission.holds_others) and self._cached(key, attr):
             return {"ok": True, "result": "cached", "bytes": attr.size}
-        if not self.store.admission.eligible(relpath):
+        if not eligible:
             return {"ok": True, "result": "not_admitted", "bytes": 0}
         try:
             self._fetch_into_cache(relpath, key, attr)

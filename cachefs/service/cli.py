@@ -122,8 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("mountpoint")
     warm.add_argument("--list", metavar="FILE", help="paths, one per line, relative to the "
                       "mount or absolute inside it; '-' reads stdin (default: every file)")
-    warm.add_argument("--connections", type=int, default=16,
-                      help="requests in flight at once (default 16)")
+    warm.add_argument("--connections", type=int, default=32,
+                      help="files fetched at once, at most (default 32; the warm uses as many "
+                      "as make it faster)")
+    warm.add_argument("--restart", action="store_true",
+                      help="start from the top of the list, ignoring where an interrupted warm "
+                      "of it stopped")
 
     verify = commands.add_parser("verify", help="check every cached chunk against its checksum")
     verify.add_argument("--cache-dir", required=True)
@@ -358,11 +362,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    from cachefs.control.warm import read_list, walk_files, warm
+    from cachefs.control.warm import warm
+    from cachefs.control.warmlist import open_list
 
     mountpoint = Path(os.path.abspath(args.mountpoint))
-    paths = read_list(args.list) if args.list else walk_files(mountpoint)
-    return warm(str(mountpoint), paths, args.connections)
+    return warm(str(mountpoint), open_list(args.list, mountpoint), args.connections,
+                restart=args.restart)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from cachefs.metrics import (
     PEER_FETCH_RESULTS,
     PREFETCH_RESULTS,
     READ_SOURCES,
+    WARM_RESULTS,
     Metrics,
     MetricsAddress,
 )
@@ -120,6 +121,7 @@ class Daemon:
         self.peer_server: PeerServer | None = None
         self.peer_client: PeerClient | None = None
         self.data_path = "not mounted"
+        self._warm_files = {r: self.metrics.warm_files.labels(r) for r in WARM_RESULTS}
 
     def start(self) -> None:
         """Everything but the mount.  Raises UsageError for bad input; undoes itself on failure."""
@@ -172,8 +174,10 @@ class Daemon:
                                      "give --peer-listen a free port on this node") from None
             staging = self.staging = StagingArea(
                 s.staging_bytes, on_wasted=m.prefetch_files.labels("wasted").inc)
+            # Counted once per file filled: the labelled counters looked up once, here.
+            fills = {result: m.fills.labels(result) for result in FILL_RESULTS}
             remote_files = self.remote_files = RemoteFiles(
-                self.remote, store, on_fill=lambda result: m.fills.labels(result).inc())
+                self.remote, store, on_fill=lambda result: fills[result].inc())
             m.bind_gauge(m.fills_under_way, lambda: remote_files.fills_under_way)
             self.prefetcher = Prefetcher(
                 mountpoint=str(s.mountpoint), store=store, fetcher=fetcher, remote=self.remote,
@@ -425,7 +429,14 @@ class Daemon:
         self.prefetcher.hint(argument, _caller(peer))
 
     def _fetch_request(self, peer: Peer, argument: bytes) -> Reply:
-        return Reply(self.prefetcher.fetch_now(argument, _caller(peer)))
+        answer = self.prefetcher.fetch_now(argument, _caller(peer))
+        if not answer["ok"]:
+            self._warm_files["failed"].inc()
+            return Reply(answer)
+        self._warm_files[answer["result"]].inc()
+        # The reply to every file of a warm: formatted directly.
+        return Reply(b'{"ok":true,"result":"%s","bytes":%d}'
+                     % (answer["result"].encode(), answer["bytes"]))
 
     def _read_request(self, peer: Peer, argument: bytes) -> Reply:
         """The fast path: a local file's bytes over the socket, checked as the mount would

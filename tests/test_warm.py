@@ -1,0 +1,324 @@
+"""`cachefs warm` at scale: a list streamed in bounded memory, a warm that goes on where an
+interrupted one stopped (and starts over, saying so, when its checkpoint cannot be used),
+and the concurrency it settles on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.peakrss import run_with_peak_rss
+from cachefs.control.checkpoint import (
+    BLOCK_PATHS,
+    Block,
+    Checkpoint,
+    Progress,
+    block_digest,
+    skip_done,
+)
+from cachefs.control.concurrency import ConcurrencyTuner
+from cachefs.errors import UsageError
+from cachefs.store.admission import FractionAdmission
+from tests.conftest import REPO, make_files, run_cachefs, wait_for
+
+
+def warm_command(mount, listing: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "cachefs", "warm", str(mount.path), "--list", str(listing),
+            *extra]
+
+
+def run_warm_measured(tmp_path: Path, mount, listing: Path) -> tuple[int, str, str, int]:
+    """(exit status, stdout, stderr, peak RSS in bytes) of one ``cachefs warm``, its own (not
+    this test process's, which its ru_maxrss would include)."""
+    out_path, err_path = tmp_path / "warm.out", tmp_path / "warm.err"
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        code, peak = run_with_peak_rss(warm_command(mount, listing), stdout=out, stderr=err,
+                                       cwd=REPO)
+    return code, out_path.read_text(), err_path.read_text(), peak
+
+
+def checkpoint_of(mount, listing: Path, state_dir: Path) -> Path:
+    checkpoint = Checkpoint(mount.path, os.path.realpath(listing), state_dir)
+    checkpoint.close()
+    return checkpoint.path
+
+
+def write_list(path: Path, paths) -> Path:
+    with open(path, "w") as f:
+        for rel in paths:
+            f.write(f"{rel}\n")
+    return path
+
+
+def warm_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("warm: ")
+            and " files/s" not in line]  # (the plain progress lines, every 10 s)
+
+
+# -- the checkpoint and the concurrency, without a mount ------------------------------------------
+
+def paths_of(count: int, prefix: str = "d") -> list[bytes]:
+    return [f"{prefix}{i // 1000:03d}/f{i:07d}".encode() for i in range(count)]
+
+
+def progress_of(paths: list[bytes], blocks: int) -> Progress:
+    counts = (BLOCK_PATHS, 0, 0, 0, 0)
+    return Progress([Block(block_digest(paths[n * BLOCK_PATHS:(n + 1) * BLOCK_PATHS]), counts,
+                           BLOCK_PATHS * 10) for n in range(blocks)])
+
+
+@pytest.mark.fast
+def test_a_checkpoint_skips_what_its_list_answered_and_no_more():
+    listing = paths_of(3 * BLOCK_PATHS + 10)
+    recorded = progress_of(listing, 2)
+
+    kept, rest, note = skip_done(iter(listing), recorded)
+    assert note is None and kept.paths == 2 * BLOCK_PATHS
+    assert kept.counts()["fetched"] == 2 * BLOCK_PATHS and kept.new_bytes() == 20 * BLOCK_PATHS
+    assert list(rest) == listing[2 * BLOCK_PATHS:]
+
+    # The list changed in its second block: the first still holds, the rest is warmed.
+    changed = listing.copy()
+    changed[BLOCK_PATHS + 7] = b"elsewhere/new.jpg"
+    kept, rest, note = skip_done(iter(changed), recorded)
+    assert kept.paths == BLOCK_PATHS and list(rest) == changed[BLOCK_PATHS:]
+    assert note == f"the list differs from the checkpoint's after path {BLOCK_PATHS:,}: " \
+        "warming from there"
+
+    # Another list altogether, and one shorter than the checkpoint: from the start.
+    other = paths_of(3 * BLOCK_PATHS, prefix="x")
+    kept, rest, note = skip_done(iter(other), recorded)
+    assert kept.paths == 0 and list(rest) == other and "starting over" in note
+    short = listing[:BLOCK_PATHS + 5]
+    kept, rest, note = skip_done(iter(short), recorded)
+    assert kept.paths == BLOCK_PATHS and list(rest) == short[BLOCK_PATHS:]
+
+
+@pytest.mark.fast
+def test_a_damaged_checkpoint_is_ignored_and_a_second_warm_of_the_list_refused(tmp_path):
+    checkpoint = Checkpoint(tmp_path / "mnt", "/lists/train.txt", tmp_path / "state")
+    try:
+        progress = progress_of(paths_of(2 * BLOCK_PATHS), 2)
+        checkpoint.save(progress)
+        assert checkpoint.load() == (progress, None)
+        with pytest.raises(UsageError, match="another cachefs warm of this list"):
+            Checkpoint(tmp_path / "mnt", "/lists/train.txt", tmp_path / "state")
+        # Another list on the same mount has a checkpoint of its own.
+        Checkpoint(tmp_path / "mnt", "/lists/val.txt", tmp_path / "state").close()
+
+        state = json.loads(checkpoint.path.read_text())
+        for damage in ('{"format": 1, "blocks": [', "\0" * 40,
+                       json.dumps({**state, "format": 99}),
+                       json.dumps({**state, "blocks": [["00ff", 1, 2, 3, 4, 5, 6]]}),
+                       json.dumps({**state, "blocks": [["zz", BLOCK_PATHS, 0, 0, 0, 0, 0]]}),
+                       json.dumps({**state, "list": "/lists/other.txt"})):
+            checkpoint.path.write_text(damage)
+            recorded, note = checkpoint.load()
+            assert recorded.paths == 0, damage
+            assert note.startswith(f"the checkpoint {checkpoint.path} is damaged ("), note
+        checkpoint.remove()
+        assert checkpoint.load() == (Progress(), None)
+        # Nothing of it is left; the other list's lock stays until its warm ends.
+        left = sorted(p.name for p in checkpoint.path.parent.iterdir())
+        assert len(left) == 1 and left[0].endswith(".lock")
+        assert checkpoint.path.stem not in left[0]
+    finally:
+        checkpoint.close()
+
+
+def settle_on(rate_of, maximum: int = 32, seconds: float = 60.0) -> int:
+    """The concurrency a tuner uses most over ``seconds`` of answers coming at
+    ``rate_of(concurrency)`` a second, counted every 2 ms as a warm counts them."""
+    tuner = ConcurrencyTuner(maximum)
+    used: dict[int, int] = {}
+    now, owed = 0.0, 0.0
+    while now < seconds:
+        owed += rate_of(tuner.current) * 0.002
+        count = int(owed)
+        owed -= count
+        tuner.answered(count, now)
+        used[tuner.current] = used.get(tuner.current, 0) + 1
+        now += 0.002
+    return max(used, key=used.get)
+
+
+@pytest.mark.fast
+def test_the_warm_fetches_as_many_at_once_as_make_it_faster():
+    # A remote with latency: each fetch waits 10 ms, the remote serves 1,600 files/s at most.
+    assert settle_on(lambda c: min(c * 100, 1600)) == 16
+    # A fast remote: more at once only contend for the daemon (rates measured on 2 cores).
+    rates = {1: 1276, 2: 1390, 4: 1368, 8: 1212, 16: 930, 32: 800}
+    assert settle_on(rates.__getitem__) == 2
+    assert settle_on(lambda c: min(c * 100, 1600), maximum=4) == 4
+
+
+# -- real mounts -----------------------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_warm_streams_a_long_list_in_bounded_memory(tmp_path, source, mount_cachefs):
+    """200,000 lines, in the client's memory one pipeline at a time: it holds no more for
+    them than for 2,000 (the whole list held as before took some 2 KiB a path, 400 MiB)."""
+    rels = make_files(source, 2000, size=64, per_dir=500)
+    missing = [f"class{i:04d}/no-such-{i}.bin" for i in range(50)]
+    mount = mount_cachefs(source, fraction=0.1, cache_size="64MiB")
+    admitted = sum(map(FractionAdmission(0.1).eligible, rels))
+
+    code, out, err, small_peak = run_warm_measured(tmp_path, mount,
+                                                   write_list(tmp_path / "small.txt", rels))
+    assert code == 0, err
+    assert "warmed 2,000 files in " in out and f": {admitted:,} fetched" in out
+
+    rounds = 100
+    long_list = write_list(tmp_path / "long.txt", [*missing, *(rels * rounds)])
+    code, out, err, peak = run_warm_measured(tmp_path, mount, long_list)
+    assert code == 1, err  # the missing ones failed, and it says so
+    lines = rounds * len(rels) + len(missing)
+    assert f"warmed {lines:,} files in " in out, out
+    assert (f": 0 fetched (0 B now cached), {admitted * rounds:,} already cached, "
+            f"{(len(rels) - admitted) * rounds:,} not admitted by the fraction, "
+            f"0 left out (cache full), {len(missing)} failed") in out, out
+    assert err.count("  failed: ") == 10 and "Traceback" not in err
+    assert peak < 100 * 2**20, peak
+    assert peak - small_peak < 8 * 2**20, (small_peak, peak)
+    assert mount.metric("cachefs_warm_files_total", result="not_admitted") == \
+        (len(rels) - admitted) * (rounds + 1)
+    assert mount.metric("cachefs_cache_files") == admitted
+
+
+def warm_requests(mount) -> float:
+    """The FETCH requests the daemon answered."""
+    return sum(mount.metric("cachefs_warm_files_total", result=r)
+               for r in ("fetched", "cached", "not_admitted", "cache_full", "failed"))
+
+
+def warm_requests_once_quiet(mount, quiet_seconds: float = 1.0) -> float:
+    """``warm_requests`` once it stopped moving (the daemon carries out the requests a killed
+    client had sent)."""
+    last, since = warm_requests(mount), time.monotonic()
+    deadline = since + 60
+    while time.monotonic() - since < quiet_seconds:
+        assert time.monotonic() < deadline, "the daemon kept answering"
+        time.sleep(0.1)
+        value = warm_requests(mount)
+        if value != last:
+            last, since = value, time.monotonic()
+    return last
+
+
+@pytest.mark.timeout(240)
+def test_warm_killed_goes_on_where_it_stopped(tmp_path, source, remote, mount_cachefs,
+                                              warm_checkpoints):
+    count = 3 * BLOCK_PATHS + 300
+    rels = make_files(source, count, size=(16, 256), per_dir=500)
+    remote.configure(open_ms=3)  # slow enough to be killed half-way
+    mount = mount_cachefs(remote.path, cache_size="256MiB")
+    listing = write_list(tmp_path / "train.txt", random.Random(7).sample(rels, count))
+    state = checkpoint_of(mount, listing, warm_checkpoints)
+
+    first = subprocess.Popen(warm_command(mount, listing), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=REPO)
+    try:
+        wait_for(lambda: state.exists() and json.loads(state.read_text())["blocks"],
+                 timeout=120, interval=0.02, what="a checkpoint of a block")
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    done = len(json.loads(state.read_text())["blocks"]) * BLOCK_PATHS
+    assert BLOCK_PATHS <= done < count
+    asked_before = warm_requests_once_quiet(mount)
+    assert asked_before >= done
+
+    remote.configure(open_ms=0)
+    again = run_cachefs("warm", str(mount.path), "--list", str(listing), timeout=200)
+    assert again.returncode == 0, again.stderr
+    assert warm_lines(again.stderr) == [
+        f"warm: going on after path {done:,} of the list, where an earlier warm of it stopped "
+        "(--restart to start over)"]
+    assert f"warmed {count:,} files in " in again.stdout
+    assert f", {done:,} of them by an earlier warm: " in again.stdout
+    assert "0 not admitted by the fraction, 0 left out (cache full), 0 failed" in again.stdout
+    # Only what the checkpoint did not hold was asked again ...
+    assert warm_requests(mount) - asked_before == count - done
+    # ... and the cache is whole and right: every file read back is the remote's, from it.
+    assert mount.metric("cachefs_cache_files") == count
+    assert not state.exists()  # answered to the end: the next warm starts over
+    remote_bytes = mount.metric("cachefs_remote_read_bytes_total")
+    for rel in rels:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
+    assert mount.metric("cachefs_remote_read_bytes_total") == remote_bytes
+    assert mount.metric("cachefs_file_opens_total", result="hit") == count
+
+
+@pytest.mark.timeout(120)
+def test_warm_with_a_checkpoint_it_cannot_use_starts_over_and_says_so(
+        tmp_path, source, mount_cachefs, warm_checkpoints):
+    rels = make_files(source, 300, size=100)
+    mount = mount_cachefs(source, cache_size="64MiB")
+    listing = write_list(tmp_path / "train.txt", rels)
+    state = checkpoint_of(mount, listing, warm_checkpoints)
+
+    state.write_text('{"format": 1, "blocks": [["0123')  # cut short (a full disk)
+    result = run_cachefs("warm", str(mount.path), "--list", str(listing))
+    assert result.returncode == 0, result.stderr
+    (line,) = warm_lines(result.stderr)
+    assert line.startswith(f"warm: the checkpoint {state} is damaged (") \
+        and line.endswith("): starting over"), line
+    assert ": 300 fetched " in result.stdout and not state.exists()
+
+    # A checkpoint of another list at this path (rewritten since): from the start as well.
+    checkpoint = Checkpoint(mount.path, os.path.realpath(listing), warm_checkpoints)
+    checkpoint.save(progress_of(paths_of(BLOCK_PATHS), 1))
+    checkpoint.close()
+    result = run_cachefs("warm", str(mount.path), "--list", str(listing))
+    assert result.returncode == 0, result.stderr
+    assert warm_lines(result.stderr) == ["warm: the list is not the one of the checkpoint: "
+                                         "starting over"]
+    assert "warmed 300 files in " in result.stdout and ": 0 fetched " in result.stdout
+    assert "300 already cached" in result.stdout
+
+    # --restart ignores a checkpoint altogether, without a word.
+    checkpoint = Checkpoint(mount.path, os.path.realpath(listing), warm_checkpoints)
+    checkpoint.save(progress_of(paths_of(BLOCK_PATHS), 1))
+    checkpoint.close()
+    result = run_cachefs("warm", str(mount.path), "--list", str(listing), "--restart")
+    assert result.returncode == 0 and warm_lines(result.stderr) == [], result.stderr
+    assert "warmed 300 files in " in result.stdout and not state.exists()
+
+
+def interrupted_by_ctrl_c() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.timeout(120)
+def test_warm_interrupted_says_so_in_one_line(tmp_path, source, remote, mount_cachefs):
+    rels = make_files(source, 2000, size=100)
+    remote.configure(open_ms=20)
+    mount = mount_cachefs(remote.path, cache_size="64MiB")
+    listing = write_list(tmp_path / "train.txt", rels)
+    child = subprocess.Popen(warm_command(mount, listing), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=REPO,
+                             preexec_fn=interrupted_by_ctrl_c)
+    try:
+        wait_for(lambda: mount.metric("cachefs_warm_files_total", result="fetched") >= 20,
+                 timeout=60, what="files fetched")
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130
+    assert out == "" and "Traceback" not in err
+    (line,) = warm_lines(err)
+    assert line.startswith("warm: interrupted after ") and line.endswith(
+        " files; nothing to go on from"), line
