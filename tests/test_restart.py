@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,8 @@ from cachefs.kernel.mountpoint import find_mount
 from cachefs.mirror import handles as h
 from cachefs.mirror.handles import HandleTable
 from cachefs.service.process import alive, wait_gone
-from tests.conftest import make_files, run_cachefs, shuffled_read_all, wait_for
+from tests.conftest import REPO, make_files, run_cachefs, shuffled_read_all, wait_for
+from tests.test_security import as_nobody
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -361,3 +363,113 @@ def test_three_restarts_leak_no_descriptors_and_no_backing_ids(source, remote, m
     assert held == len(small)
     assert max(serving_fds) <= serving_fds[0] + 2, serving_fds
     assert _registered_backing_ids(supervisor, highest=1000) == held
+
+
+# -- cachefs upgrade ----------------------------------------------------------------------------
+
+def _other_checkout(tmp_path: Path) -> Path:
+    """A copy of this cachefs under another version number: a daemon of another checkout."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "cachefs", checkout / "cachefs",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    init = checkout / "cachefs" / "__init__.py"
+    init.write_text(init.read_text().replace('__version__ = "', '__version__ = "9.9.9+'))
+    return checkout
+
+
+def _upgrade(mountpoint: Path, checkout: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), str(REPO / "client")]))
+    return subprocess.run([sys.executable, "-m", "cachefs", "upgrade", str(mountpoint)],
+                          capture_output=True, text=True, timeout=90, cwd=checkout, env=env)
+
+
+class _Checked:
+    """A DataLoader dataset over the mount: each sample says whether its bytes are the
+    remote's; slowed so that an epoch lasts a few seconds."""
+
+    def __init__(self, mount: Path, source: Path, paths: list[str]) -> None:
+        self.mount, self.source, self.paths = mount, source, paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> bool:
+        rel = self.paths[index]
+        with open(self.mount / rel, "rb") as f:
+            data = f.read()
+        time.sleep(0.03)
+        return data == (self.source / rel).read_bytes()
+
+
+def test_cachefs_upgrade_to_another_checkout_during_a_dataloader_epoch(
+        source, remote, mount_cachefs, tmp_path):
+    torch = pytest.importorskip("torch")
+    paths = make_files(source, 240, (4_000, 32_000), seed=7, per_dir=60)
+    mount = mount_cachefs(remote.path, fraction=0.5)
+    checkout = _other_checkout(tmp_path)
+    loader = torch.utils.data.DataLoader(_Checked(mount.path, source, paths), batch_size=8,
+                                         num_workers=4, shuffle=True)
+
+    def epoch(during=None) -> tuple[list[bool], float]:
+        before = mount.status()["file_opens"]
+        checked = []
+        for number, batch in enumerate(loader):
+            checked += batch.tolist()
+            if number == 2 and during is not None:
+                during.start()
+        mount.settle()
+        after = mount.refresh()["file_opens"]
+        hits = after["hit"] - (before["hit"] if during is None else 0)
+        opens = sum(after.values()) - (sum(before.values()) if during is None else 0)
+        return checked, hits / opens
+
+    epoch()  # fills the kept half
+    checked, steady = epoch()
+    assert all(checked) and steady > 0.3
+    old = mount.status()
+
+    upgraded: list = []
+    upgrader = threading.Thread(target=lambda: upgraded.append(
+        (_upgrade(mount.path, checkout), time.monotonic())))
+    checked, _ratio = epoch(during=upgrader)  # an error in a worker fails the epoch
+    epoch_end = time.monotonic()
+    upgrader.join(60)
+    result, finished = upgraded[0]
+    assert result.returncode == 0, result.stderr + mount.log_tail()
+    assert finished < epoch_end  # the upgrade happened during the epoch
+    assert len(checked) == len(paths) and all(checked)
+    new = mount.refresh()
+    assert new["version"].startswith("9.9.9+") and old["version"] == new["version"][6:]
+    assert new["pid"] != old["pid"] and new["supervisor_pid"] != old["supervisor_pid"]
+    assert wait_gone(old["supervisor_pid"], 10) and not alive(old["pid"])
+    print(f"\n{result.stdout.strip()}")
+    checked, after_upgrade = epoch()  # counted in the new process alone: a whole epoch
+    assert all(checked)
+    assert after_upgrade == pytest.approx(steady, abs=0.01)
+    # The new daemon stops cleanly: unmounted, no process left.
+    result = run_cachefs("unmount", str(mount.path))
+    assert result.returncode == 0, result.stderr
+    assert find_mount(mount.path) is None and wait_gone(new["supervisor_pid"], 10)
+
+
+def test_upgrade_refuses_what_it_cannot_do_in_one_line(tmp_path):
+    (tmp_path / "plain").mkdir()
+    result = run_cachefs("upgrade", str(tmp_path / "plain"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"cachefs upgrade: {tmp_path / 'plain'} is not a cachefs mount (not mounted)"]
+
+
+def test_only_the_daemons_user_may_take_its_mount(source, remote, mount_cachefs):
+    (source / "a.bin").write_bytes(b"a")
+    mount = mount_cachefs(remote.path)
+    ask = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+           "s.sendall(b'HANDOVER\\n'); line, fds, _f, _a = socket.recv_fds(s, 4096, 4); "
+           "print(line.decode().strip(), len(fds))")
+    result = as_nobody(ask, os.readlink(mount.path / ".cachefs.sock"))
+    assert result.returncode == 0, result.stderr
+    line, count = result.stdout.strip().rsplit(" ", 1)
+    assert json.loads(line) == {"ok": False,
+                                "error": "only the daemon's own user may take its mount over"}
+    assert count == "0"
+    assert (mount.path / "a.bin").read_bytes() == b"a"  # still serving, nothing handed

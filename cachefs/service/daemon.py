@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import xxhash
 from cachefs import __version__
 from cachefs.control.server import ControlServer, Peer, Reply
 from cachefs.errors import CachefsError, UsageError
+from cachefs.kernel import takeover
 from cachefs.kernel.mount import MountOptions
 from cachefs.kernel.session import Connection, Session
 from cachefs.metrics import (
@@ -106,6 +108,7 @@ class Daemon:
         self.serving_since: float | None = None  # when this process started serving
         self.restart_pause: float | None = None  # death of the predecessor to serving here
         self.session: Session | None = None
+        self._handing_to = 0  # the process HANDOVER gave the mount to
         self._mount_text = str(settings.mountpoint)  # what request paths are relative to
         self.started_at = time.time()
         self.metrics = Metrics()
@@ -193,7 +196,9 @@ class Daemon:
                 control_path,
                 {b"STATUS": self._status_request, b"PING": self._ping_request,
                  b"HINT": self._hint_request, b"FETCH": self._fetch_request,
-                 b"READ": self._read_request, b"OPEN": self._open_request},
+                 b"READ": self._read_request, b"OPEN": self._open_request,
+                 b"HANDOVER": self._handover_request,
+                 b"RELINQUISH": self._relinquish_request},
                 on_invalid=m.hints.labels("invalid").inc)
         except BaseException:
             self.stop()
@@ -272,7 +277,7 @@ class Daemon:
         if died_at is not None:
             self.restart_pause = max(0.0, now - died_at)
             self.metrics.restart_pause.set(self.restart_pause)
-            log.info("took the mount over from the process that died %.3f s ago (restart %d)",
+            log.info("took the mount over from a process gone %.3f s ago (restart %d)",
                      self.restart_pause, self.succession.restarts)
 
     def _on_mounted(self, connection: Connection) -> None:
@@ -329,6 +334,9 @@ class Daemon:
             "version": __version__,
             "pid": os.getpid(),
             "supervisor_pid": self.succession.supervisor_pid if self.succession else None,
+            # What `cachefs upgrade` starts again (service/upgrade.py).
+            "command": sys.argv[1:] if self.succession else None,
+            "cwd": os.getcwd(),
             "serving": self._serving_status(),
             "mountpoint": str(s.mountpoint),
             "backing": str(s.backing),
@@ -470,6 +478,38 @@ class Daemon:
         finally:
             os.close(found.fd)
         return Reply({"ok": True, "size": len(data), "result": found.result}, payload=data)
+
+    def _handover_request(self, peer: Peer, argument: bytes) -> Reply:
+        """`cachefs upgrade`: the mount's descriptor and what its handshake settled, for a new
+        daemon of the same user (service/upgrade.py); RELINQUISH then ends this one."""
+        session, succession = self.session, self.succession
+        if peer.uid not in (0, os.geteuid()):
+            return Reply({"ok": False, "error": "only the daemon's own user may take its "
+                                                "mount over"})
+        if session is None or session.fd < 0 or succession is None:
+            return Reply({"ok": False, "error": "not serving a mount"})
+        self._handing_to = peer.pid
+        connection = session.connection
+        log.info("handing the mount over to process %d", peer.pid)
+        return Reply({"ok": True, "pid": os.getpid(), "version": __version__,
+                      "connection": takeover.connection_text(connection) if connection else None,
+                      "restarts": succession.restarts, "mounted_at": succession.mounted_at},
+                     fd=os.dup(session.fd))
+
+    def _relinquish_request(self, peer: Peer, argument: bytes) -> Reply:
+        """Exit at once for the daemon that took the descriptor: as a killed one would
+        (nothing unmounted, the tables left for it, the requests in flight resent to it), with
+        the index's pending writes committed and its supervisor exiting with it."""
+        if self._handing_to != peer.pid:
+            return Reply({"ok": False, "error": "HANDOVER first"})
+        log.info("process %d took the mount over; exiting", peer.pid)
+        try:
+            if self.store is not None:
+                self.store.index.flush()
+        finally:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(0)  # 0: the supervisor exits too, without unmounting
 
     def _ping_request(self, peer, argument: bytes) -> Reply:
         return Reply({"ok": True, "version": __version__,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from cachefs.kernel import mount as kmount
 from cachefs.kernel import takeover
 from cachefs.kernel.session import Connection
+from cachefs.service.upgrade import Handover
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ class Supervisor:
     """Runs serving children one after the other on one mount.  Build, then :meth:`run`."""
 
     def __init__(self, mountpoint: str, serve: Callable[[Succession], int],
-                 ready_fd: int | None = None) -> None:
+                 ready_fd: int | None = None, inherited: Handover | None = None) -> None:
+        """``inherited``: a mount handed over by the daemon that served it (upgrade.py)."""
         self.mountpoint = mountpoint
         self._serve = serve
         self._ready_fd = ready_fd  # the first child reports readiness through it
@@ -85,6 +87,12 @@ class Supervisor:
         self._child = 0
         self._stopping = False
         self._started_at = time.time()
+        self._restarts = 0
+        self._died_at: float | None = None
+        if inherited is not None:
+            self._fd, self._connection = inherited.fd, inherited.connection
+            self._restarts, self._died_at = inherited.restarts, inherited.gone_at
+            self._started_at = inherited.mounted_at
 
     def run(self) -> int:
         wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -92,7 +100,7 @@ class Supervisor:
         handlers = {sig: signal.signal(sig, self._on_stop)
                     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda *_: None)
-        restarts, quick, died_at = 0, 0, None
+        restarts, quick, died_at = self._restarts, 0, self._died_at
         try:
             while True:
                 started = time.monotonic()
