@@ -7,12 +7,12 @@ path never becomes a label.  Dashboards and scripts rely on these names.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from cachefs.address import MetricsAddress
 from cachefs.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -34,17 +34,6 @@ OPEN_LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
     10, 30,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class MetricsAddress:
-    """Where /metrics is served (--metrics-addr)."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 class Metrics:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cachefs.attr import Version
+from cachefs.kernel.mountpoint import find_mount
 from cachefs.store.index import data_key
 from cachefs.store.layout import CacheLayout
 from cachefs.store.store import CHUNK_BYTES
@@ -338,6 +339,27 @@ def test_full_cache_disk_stops_admission_and_readers_see_no_error(source, remote
     assert mount.metric("cachefs_file_opens_total", result="hit") >= 1
     assert "Traceback" not in mount.log_file.read_text()
     assert len(_log_lines(mount, "cache disk refused a write")) == 1
+
+
+def test_a_cache_disk_out_of_inodes_refuses_the_mount_in_one_line(tmp_path, remote,
+                                                                   scratch_fs):
+    disk = scratch_fs("ext4", 16 * 2**20)
+    (disk / "cache").mkdir()
+    filler = disk / "filler"
+    filler.mkdir()
+    with pytest.raises(OSError) as full:
+        for i in range(1_000_000):
+            (filler / str(i)).touch()
+    assert full.value.errno == errno.ENOSPC
+    (tmp_path / "mnt").mkdir()
+    result = run_cachefs("mount", str(remote.path), str(tmp_path / "mnt"), "--cache-dir",
+                         str(disk / "cache"), "--cache-size", "8M", "--metrics-addr", "0",
+                         "--log-file", str(tmp_path / "mnt.log"))
+    assert result.returncode != 0
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "cache disk is full" in result.stderr
+    assert "Traceback" not in (tmp_path / "mnt.log").read_text()
+    assert find_mount(tmp_path / "mnt") is None
 
 
 def test_an_index_commit_meeting_a_read_only_disk_first_names_the_disk(tmp_path, scratch_fs):

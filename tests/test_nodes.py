@@ -112,3 +112,15 @@ def test_a_successor_maps_the_same_table(tmp_path):
     finally:
         second.close(remove=True)
     assert not list(tmp_path.iterdir())
+
+
+def test_times_beyond_what_a_slot_holds_are_kept_exactly(table):
+    far_future = 2**63 + 10**18
+    attr = Attr(stat.S_IFREG | 0o644, 5, 0, 0, 1, far_future, far_future, -(2**64))
+    nid = table.lookup(ROOT_ID, b"future", attr)
+    assert table.lookup(ROOT_ID, b"future", attr) == nid  # the same version
+    assert table.get(nid).attr == attr
+    table.refresh(nid, file_attr(5, mtime=far_future))
+    assert table.get(nid).attr.mtime_ns == far_future
+    table.refresh(nid, file_attr(5, mtime=far_future - 2**63))  # back in range
+    assert table.get(nid).attr.mtime_ns == far_future - 2**63

@@ -97,6 +97,7 @@ PASSTHROUGH = 1 << 37
 # -- FOPEN_* flags of an OPEN reply ------------------------------------------------------------
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
+FOPEN_CACHE_DIR = 1 << 3
 FOPEN_NOFLUSH = 1 << 5
 FOPEN_PASSTHROUGH = 1 << 7
 
@@ -184,6 +185,11 @@ def open_out(fh: int, flags: int, backing_id: int = 0) -> bytes:
 def dirent_type(mode: int) -> int:
     """The DT_* of a dirent: the file type bits shifted down, as the kernel reads them."""
     return stat.S_IFMT(mode) >> 12
+
+
+def dirent_size(name: bytes) -> int:
+    """Bytes of the ``struct fuse_dirent`` of ``name``, padding included."""
+    return (_DIRENT.size + len(name) + 7) & ~7
 
 
 def dirent(ino: int, next_offset: int, mode: int, name: bytes) -> bytes:

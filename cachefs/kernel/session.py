@@ -489,7 +489,9 @@ class Session:
         offered = flags | (flags2 << 32)
         want = p.ASYNC_READ | p.PARALLEL_DIROPS | p.MAX_PAGES | p.NO_OPENDIR_SUPPORT
         if self._readdirplus:
-            want |= p.DO_READDIRPLUS
+            # The kernel asks for entries with attributes where its lookups show they are
+            # wanted (a first page, or after stats of a directory's names), not for `find`.
+            want |= p.DO_READDIRPLUS | p.READDIRPLUS_AUTO
         passthrough = self._want_passthrough and bool(offered & p.PASSTHROUGH)
         if passthrough:
             want |= p.PASSTHROUGH

@@ -236,17 +236,21 @@ class MirrorFS:
         self._fhs = itertools.count(time.time_ns())
         # Backing ids a predecessor left registered that no open used, closed at takeover.
         self.backing_ids_closed = 0
-        self._dirs: dict[int, tuple[int, list[tuple[bytes, int]]]] = {}  # fh: (node, entries)
+        # An open directory's entries (None: not listed yet, the kernel has them cached).
+        self._dirs: dict[int, list[tuple[bytes, int]] | None] = {}
+        # Per directory node: the version (mtime, ctime) the kernel's cached listing is of.
+        self._listed: dict[int, tuple[int, int]] = {}
         self._max_held = max_held
-        self._held = HeldFiles(max_held or _max_held_descriptors())
+        # Without passthrough (until INIT says otherwise) each held file is a descriptor.
+        self._held = HeldFiles(min(max_held or MAX_HELD_DESCRIPTORS, _max_held_descriptors()))
 
     # -- the session's calls -------------------------------------------------------------
 
     def init(self, session: Session, connection: Connection) -> None:
         self.session = session
         self.passthrough = connection.passthrough
-        if self.passthrough and self._max_held is None:
-            self._held.max_files = DEFAULT_MAX_HELD  # the kernel holds them, not our fds
+        if self.passthrough:  # the kernel holds them, not descriptors of ours
+            self._held.max_files = self._max_held or DEFAULT_MAX_HELD
         if self.records.inherited:
             self._adopt()
         self._on_mounted(connection)
@@ -344,6 +348,7 @@ class MirrorFS:
         if self.nodes.forget(nodeid, nlookup):  # its id may name another node from now on
             with self._lock:
                 self._dir_paths.pop(nodeid, None)
+                self._listed.pop(nodeid, None)
 
     def getattr(self, req: Request, nodeid: int, fh: int | None) -> bytes:
         node = self._node(nodeid)
@@ -367,24 +372,47 @@ class MirrorFS:
     # -- directories ------------------------------------------------------------------------
 
     def opendir(self, req: Request, nodeid: int, flags: int) -> bytes:
+        """The kernel keeps a directory's listing in its page cache (FOPEN_CACHE_DIR) and keeps
+        it over the next open (FOPEN_KEEP_CACHE) while the directory's version is the one it
+        was listed at, as an NFS client does: a repeated walk costs one attribute check per
+        directory, not a listing of the remote.  Only the version is kept here, per directory
+        node, not the listing: the kernel holds that."""
         node = self._node(nodeid)
-        entries = [(os.fsencode(name), mode) for name, mode in
-                   self.tree.listdir(node.relpath)]
+        version = self._dir_version(node.relpath)
         fh = next(self._fhs)
         with self._lock:
-            self._dirs[fh] = (nodeid, entries)
-        return p.open_out(fh, 0)
+            unchanged = self._listed.get(nodeid) == version
+        if unchanged:
+            with self._lock:
+                self._dirs[fh] = None  # listed at a READDIR the kernel's cache cannot answer
+            return p.open_out(fh, p.FOPEN_CACHE_DIR | p.FOPEN_KEEP_CACHE)
+        entries = self._list(node.relpath)
+        with self._lock:
+            self._dirs[fh] = entries
+            self._listed[nodeid] = version
+        return p.open_out(fh, p.FOPEN_CACHE_DIR)
+
+    def _dir_version(self, relpath: str) -> tuple[int, int]:
+        attr = self.tree.getattr(relpath)
+        if not attr.is_dir:
+            raise OSError(errno.ENOTDIR, relpath)
+        return attr.mtime_ns, attr.ctime_ns
+
+    def _list(self, relpath: str) -> list[tuple[bytes, int]]:
+        return [(os.fsencode(name), mode) for name, mode in self.tree.listdir(relpath)]
 
     def readdir(self, req: Request, nodeid: int, fh: int, offset: int, size: int,
                 plus: bool) -> bytes:
-        listed = self._dirs.get(fh)
-        if listed is not None and listed[0] == nodeid:
-            entries = listed[1]
-        else:  # opened by a process that served the mount before: list it again
-            entries = [(os.fsencode(name), mode) for name, mode in
-                       self.tree.listdir(self._node(nodeid).relpath)]
+        with self._lock:
+            # A handle this process does not know was opened by a predecessor: listed again.
+            entries = self._dirs.setdefault(fh, None)
+        if entries is None:
+            entries = self._list(self._node(nodeid).relpath)
             with self._lock:
-                self._dirs[fh] = (nodeid, entries)
+                if fh in self._dirs:
+                    self._dirs[fh] = entries
+        if plus:
+            return self._readdirplus(nodeid, entries, offset, size)
         out = []
         used = 0
         for index in range(offset, len(entries)):
@@ -395,6 +423,35 @@ class MirrorFS:
                 break
             out.append(record)
             used += len(record)
+        return b"".join(out)
+
+    def _readdirplus(self, parent: int, entries: list[tuple[bytes, int]], offset: int,
+                     size: int) -> bytes:
+        """Entries with their lookups (READDIRPLUS): ``ls -l`` or a walk that stats each file
+        costs one request per page of entries, not a LOOKUP per name.  The attributes came
+        with the listing (the attribute cache holds them).  Each entry given is one lookup
+        the kernel will forget, so an entry is looked up only once it is known to fit."""
+        directory = self._dir_path(parent)
+        prefix = f"{directory}/" if directory else ""
+        out = []
+        used = 0
+        for index in range(offset, len(entries)):
+            name, mode = entries[index]
+            needed = p.ENTRY_OUT_BYTES + p.dirent_size(name)
+            if used + needed > size:
+                break
+            relpath = prefix + os.fsdecode(name)
+            try:
+                attr = self.tree.getattr(relpath)
+            except OSError:  # gone since the listing: a name without attributes
+                entry, ino = p.entry_out(0, 0, 0.0, 0.0, bytes(p.ATTR.size)), 0xFFFF_FFFF
+            else:
+                ino = self.nodes.lookup(parent, name, attr)
+                timeout = self._timeout(relpath)
+                entry = p.entry_out(ino, 0, timeout, timeout, _pack(ino, attr))
+                mode = attr.mode
+            out.append(p.direntplus(entry, ino, index + 1, mode, name))
+            used += needed
         return b"".join(out)
 
     def releasedir(self, req: Request, nodeid: int, fh: int) -> None:

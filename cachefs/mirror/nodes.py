@@ -59,7 +59,9 @@ SLOT_BYTES = _SLOT.size
 _INLINE_NAME = 32
 _HEAP_REF = struct.Struct("<Q")
 _BLOCK_SIZES = (64, 128, 256)
-_LIVE, _NAME_IN_HEAP = 1, 2
+_LIVE, _NAME_IN_HEAP, _TIMES_ASIDE = 1, 2, 4
+_FLAGS_AT = 62  # the flags' offset in a slot
+_TIME_MIN, _TIME_MAX = -(1 << 63), (1 << 63) - 1
 MIN_SLOTS = 1024
 MIN_BUCKETS = 2048
 _GROWTH = 2
@@ -95,6 +97,10 @@ class NodeTable:
         self.base = base
         self._lock = threading.Lock()
         self._files = {}
+        # Times a slot cannot hold (nanoseconds beyond 2**63: after 2262): this process's
+        # own, rare; a successor sees them clamped, so such a file's version looks changed
+        # to it and its name is looked up anew (never the wrong version).
+        self._times_aside: dict[int, tuple[int, int, int]] = {}
         self._maps: dict[str, mmap.mmap] = {}
         if take_over:
             for part in ("nodes", "index", "names"):
@@ -176,15 +182,24 @@ class NodeTable:
         return _HEADER_BYTES + (nodeid - 1) * SLOT_BYTES
 
     def _write_slot(self, nodeid: int, parent: int, name: bytes, a: Attr, lookups: int) -> None:
-        flags = _LIVE
+        flags = _LIVE | self._set_times_aside(nodeid, a)
         if len(name) > _INLINE_NAME:
             flags |= _NAME_IN_HEAP
             stored = _HEAP_REF.pack(self._heap_put(name))
         else:
             stored = name
         _SLOT.pack_into(self._maps["nodes"], self._offset(nodeid), parent, a.mode, lookups,
-                        a.size, a.mtime_ns, a.ctime_ns, a.atime_ns, a.uid, a.gid, a.nlink,
-                        len(name), flags, stored)
+                        a.size, _clamp(a.mtime_ns), _clamp(a.ctime_ns), _clamp(a.atime_ns),
+                        a.uid, a.gid, a.nlink, len(name), flags, stored)
+
+    def _set_times_aside(self, nodeid: int, a: Attr) -> int:
+        """Keep aside the times a slot cannot hold: the flag to set (0: none)."""
+        times = (a.mtime_ns, a.ctime_ns, a.atime_ns)
+        if all(_TIME_MIN <= t <= _TIME_MAX for t in times):
+            self._times_aside.pop(nodeid, None)
+            return 0
+        self._times_aside[nodeid] = times
+        return _TIMES_ASIDE
 
     def _read_slot(self, nodeid: int) -> tuple | None:
         if not 1 <= nodeid < self._next:
@@ -199,9 +214,11 @@ class NodeTable:
             return self._maps["names"][offset:offset + length]
         return stored[:length]
 
-    @staticmethod
-    def _attr_of(fields: tuple) -> Attr:
-        (_parent, mode, _lookups, size, mtime, ctime, atime, uid, gid, nlink, *_rest) = fields
+    def _attr_of(self, nodeid: int, fields: tuple) -> Attr:
+        (_parent, mode, _lookups, size, mtime, ctime, atime, uid, gid, nlink, _length,
+         flags, _name) = fields
+        if flags & _TIMES_ASIDE and nodeid in self._times_aside:
+            mtime, ctime, atime = self._times_aside[nodeid]
         return Attr(mode, size, uid, gid, nlink, atime, mtime, ctime)
 
     def _allocate(self) -> int:
@@ -219,6 +236,7 @@ class NodeTable:
     def _release(self, nodeid: int, fields: tuple) -> None:
         if fields[11] & _NAME_IN_HEAP:
             self._heap_free_block(_HEAP_REF.unpack_from(fields[12])[0], fields[10])
+        self._times_aside.pop(nodeid, None)
         # A freed slot: not live, its first field the next freed one.
         _SLOT.pack_into(self._maps["nodes"], self._offset(nodeid), self._free, 0, 0, 0, 0, 0,
                         0, 0, 0, 0, 0, 0, b"")
@@ -311,9 +329,10 @@ class NodeTable:
             bucket, nodeid = self._find_locked(parent, name)
             if nodeid:
                 fields = self._read_slot(nodeid)
-                same = stat.S_IFMT(fields[1]) == stat.S_IFMT(attr.mode) and not (
-                    stat.S_ISREG(attr.mode) and (fields[3], fields[4]) != (attr.size,
-                                                                           attr.mtime_ns))
+                known = self._attr_of(nodeid, fields)
+                same = stat.S_IFMT(known.mode) == stat.S_IFMT(attr.mode) and not (
+                    stat.S_ISREG(attr.mode) and (known.size, known.mtime_ns) != (attr.size,
+                                                                                 attr.mtime_ns))
                 if same:
                     self._write_slot_attr(nodeid, attr, fields[2] + 1)
                     return nodeid
@@ -328,8 +347,11 @@ class NodeTable:
 
     def _write_slot_attr(self, nodeid: int, a: Attr, lookups: int) -> None:
         mapped, offset = self._maps["nodes"], self._offset(nodeid)
-        _ATTR_PART.pack_into(mapped, offset + 4, a.mode, lookups, a.size, a.mtime_ns,
-                             a.ctime_ns, a.atime_ns, a.uid, a.gid, a.nlink)
+        _ATTR_PART.pack_into(mapped, offset + 4, a.mode, lookups, a.size, _clamp(a.mtime_ns),
+                             _clamp(a.ctime_ns), _clamp(a.atime_ns), a.uid, a.gid, a.nlink)
+        (flags,) = _FLAGS.unpack_from(mapped, offset + _FLAGS_AT)
+        flags = flags & ~_TIMES_ASIDE | self._set_times_aside(nodeid, a)
+        _FLAGS.pack_into(mapped, offset + _FLAGS_AT, flags)
 
     def refresh(self, nodeid: int, attr: Attr) -> None:
         """New attributes of the same version (a revalidation) for a live node."""
@@ -365,7 +387,8 @@ class NodeTable:
             fields = self._read_slot(nodeid)
             if fields is None:
                 return None
-            return NodeInfo(fields[0], self._name_of(fields), self._attr_of(fields), fields[2])
+            return NodeInfo(fields[0], self._name_of(fields), self._attr_of(nodeid, fields),
+                            fields[2])
 
     def __len__(self) -> int:
         return self.live
@@ -380,3 +403,9 @@ class NodeTable:
 # mode, lookups, size, mtime, ctime, atime, uid, gid, nlink: a slot from its fifth byte
 _ATTR_PART = struct.Struct("<IQQqqqIII")
 _LOOKUPS = struct.Struct("<Q")
+_FLAGS = struct.Struct("<H")
+assert _SLOT.size - _INLINE_NAME - _FLAGS.size == _FLAGS_AT
+
+
+def _clamp(ns: int) -> int:
+    return min(max(ns, _TIME_MIN), _TIME_MAX)

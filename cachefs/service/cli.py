@@ -58,6 +58,9 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attr-cache-entries", help="attributes of names the kernel does not "
                         "hold (a listing's, a hint's) remembered at most, about 200 bytes each "
                         "(default 200000)")
+    parser.add_argument("--held-files", help="cached files kept registered with the kernel "
+                        "between opens, under 1 KiB of kernel memory each (default 65536 with "
+                        "passthrough)")
     parser.add_argument("--staging-size", help="memory for prefetched files the cache does not "
                         "keep (default 512MiB)")
     parser.add_argument("--allow-other", action="store_true", default=None,
@@ -168,7 +171,7 @@ def _complete_paths(parser: argparse.ArgumentParser) -> None:
 
 SETTING_FLAGS = ("backing", "mountpoint", "cache_dir", "cache_size", "fraction", "seed",
                  "metrics_addr", "revalidate", "remote_timeout", "prefetch_concurrency",
-                 "attr_cache_entries", "staging_size", "allow_other", "passthrough",
+                 "attr_cache_entries", "held_files", "staging_size", "allow_other", "passthrough",
                  "log_file", "runtime_dir", "peers", "peer_listen", "peer_address",
                  "peer_secret_file", "peer_timeout")
 

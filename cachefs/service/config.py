@@ -14,8 +14,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from cachefs.address import MetricsAddress
 from cachefs.errors import UsageError
-from cachefs.metrics import MetricsAddress
 from cachefs.peer.members import PeerList, parse_address
 from cachefs.remote.attrcache import DEFAULT_MAX_ENTRIES as DEFAULT_ATTR_CACHE_ENTRIES
 from cachefs.sizes import parse_size
@@ -49,6 +49,10 @@ class Settings:
     prefetch_concurrency: int = DEFAULT_PREFETCH_CONCURRENCY
     # Attributes of names the kernel does not hold, remembered at most (about 200 bytes each).
     attr_cache_entries: int = DEFAULT_ATTR_CACHE_ENTRIES
+    # Cached files whose backing file stays registered with the kernel between opens (None:
+    # 65,536 with passthrough, what the kernel's memory allows; a share of our descriptors
+    # without it).
+    held_files: int | None = None
     staging_bytes: int = DEFAULT_STAGING_BYTES
     allow_other: bool = False
     # Which files the kernel reads itself (FUSE passthrough) where it can: "auto", local
@@ -136,6 +140,14 @@ def _entries(value: Any) -> int:
     return number
 
 
+def _held_files(value: Any) -> int:
+    problem = "is not a whole number between 64 and 10,000,000"
+    number = _number(value, int, problem)
+    if not 64 <= number <= 10_000_000:
+        raise ValueError(f"{value!r} {problem}")
+    return number
+
+
 def _concurrency(value: Any) -> int:
     problem = "is not a whole number between 1 and 1024"
     number = _number(value, int, problem)
@@ -190,6 +202,7 @@ PARSERS = {
     "remote_timeout": _positive_seconds,
     "prefetch_concurrency": _concurrency,
     "attr_cache_entries": _entries,
+    "held_files": _held_files,
     "staging_size": _staging_size,
     "allow_other": _bool,
     "passthrough": _passthrough,

@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import signal
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from pathlib import Path
 import xxhash
 
 from cachefs import __version__
+from cachefs.address import MetricsAddress
 from cachefs.control.server import ControlServer, Peer, Reply
 from cachefs.errors import CachefsError, UsageError
 from cachefs.kernel import takeover
@@ -37,7 +40,6 @@ from cachefs.metrics import (
     READ_SOURCES,
     WARM_RESULTS,
     Metrics,
-    MetricsAddress,
 )
 from cachefs.mirror.handles import HandleTable
 from cachefs.mirror.mirrorfs import MirrorFS
@@ -138,8 +140,7 @@ class Daemon:
                 admission = ClusterAdmission(s.fraction, s.seed, members)
             else:
                 admission = FractionAdmission(s.fraction, s.seed)
-            self.store = CacheStore.open(s.cache_dir, s.cache_size_bytes, admission,
-                                         on_integrity_failure=m.integrity_failures.inc)
+            self.store = _open_store(s, admission, m)
             store = self.store
             store.on_write_error = m.cache_write_errors.inc
             m.cache_capacity_bytes.set(s.cache_size_bytes)
@@ -238,12 +239,12 @@ class Daemon:
         taking_over = succession is not None and succession.fd is not None
         nodes, handles = self._tables(taking_over)
         self.fs = MirrorFS(self.tree, on_mounted=self._on_mounted, metrics=self.metrics,
-                           nodes=nodes, handles=handles)
+                           nodes=nodes, handles=handles, max_held=s.held_files)
         self.metrics.bind_gauge(self.metrics.nodes, lambda: len(nodes))
         self.store.on_dropped = lambda key, version: self.fs.drop_held(os.fsdecode(key),
                                                                        version)
         session = self.session = Session(self.fs, want_passthrough=s.passthrough != "off",
-                                         on_unexpected=None,
+                                         readdirplus=True, on_unexpected=None,
                                          on_resent=self.metrics.requests_resent.inc)
         if taking_over:
             self.metrics.restarts.inc(succession.restarts)
@@ -520,6 +521,26 @@ class Daemon:
 def _caller(peer: Peer) -> Caller:
     """The peer with its supplementary groups (read once per process, not per hint)."""
     return Caller.of_process(peer.pid, peer.uid, peer.gid)
+
+
+def _open_store(s: Settings, admission, m: Metrics) -> CacheStore:
+    """The cache, or a one-line UsageError saying why the cache disk refuses it."""
+    try:
+        return CacheStore.open(s.cache_dir, s.cache_size_bytes, admission,
+                               on_integrity_failure=m.integrity_failures.inc)
+    except (OSError, sqlite3.Error) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        full = shutil.disk_usage(s.cache_dir).free == 0 or _no_free_inodes(s.cache_dir)
+        hint = "; the cache disk is full (space or inodes)" if full else ""
+        raise UsageError(f"cannot open the cache in {s.cache_dir}: {reason}{hint}") from None
+
+
+def _no_free_inodes(path: Path) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_favail == 0
 
 
 def report_ready(error: str | None = None) -> None:
