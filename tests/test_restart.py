@@ -278,6 +278,20 @@ def test_a_request_in_flight_at_the_kill_is_answered_by_the_successor(
     assert mount.metric("cachefs_requests_resent_total") >= 1
 
 
+def test_a_directory_read_across_a_kill_lists_every_name_once(source, remote, mount_cachefs):
+    names = sorted(rel.split("/")[1] for rel in make_files(source, 1500, 10, per_dir=1500))
+    mount = mount_cachefs(remote.path)
+    listing = os.scandir(mount.path / "class0000")  # 60 KiB of entries: several getdents
+    try:
+        seen = [next(listing).name for _ in range(50)]
+        _kill_serving(mount)  # the successor never saw this directory opened
+        seen += [entry.name for entry in listing]
+    finally:
+        listing.close()
+    assert sorted(seen) == names
+    assert sorted(os.listdir(mount.path / "class0000")) == names
+
+
 def test_kill_9_during_a_fill_serves_nothing_wrong_and_indexes_nothing_partial(
         source, remote, mount_cachefs):
     data = random.Random(12).randbytes(24 * 2**20)
