@@ -161,6 +161,22 @@ class Metrics:
         self.cluster_nodes.set(1)
         self.cluster_remote_read_bytes.set_function(
             lambda: self.value("cachefs_remote_read_bytes_total"))
+        # Restarts of the serving process under the supervisor (service/supervisor.py): each
+        # process starts these from what its supervisor tells it.
+        self.restarts = Counter(
+            "cachefs_restarts", "Times a new process took the mount over after the one "
+            "serving it died, since it was mounted", registry=r)
+        self.requests_resent = Counter(
+            "cachefs_requests_resent", "Requests the kernel sent again after a takeover (read "
+            "by the process that died, never answered), counted by the process now serving",
+            registry=r)
+        self.serving_start_time = Gauge(
+            "cachefs_serving_start_time_seconds", "When the process serving the mount now "
+            "started serving it (Unix time)", registry=r)
+        self.restart_pause = Gauge(
+            "cachefs_restart_pause_seconds", "The last takeover: from the death of the serving "
+            "process to its successor serving (what a reader waited at most, beyond its "
+            "request's own time); 0 before any", registry=r)
         for source in READ_SOURCES:
             self.read_bytes.labels(source)
         for result in OPEN_RESULTS:

@@ -45,7 +45,8 @@ class CachefsMount:
         self.cache_dir = cache_dir
         self.log_file = log_file
         self.options = options
-        self.pid: int | None = None
+        self.pid: int | None = None  # the serving process
+        self.supervisor_pid: int | None = None  # the parent holding the connection
         self.metrics_url: str | None = None
 
     def command(self) -> list[str]:
@@ -66,8 +67,17 @@ class CachefsMount:
             raise RuntimeError(f"cachefs mount failed: {result.stderr.strip()}\n{self.log_tail()}")
         status = self.status()
         self.pid = status["pid"]
+        self.supervisor_pid = status.get("supervisor_pid")
         self.metrics_url = status["metrics_url"]
         return self
+
+    def refresh(self) -> dict:
+        """The status, with the serving process and metrics address it now names (a new one
+        after a restart)."""
+        status = self.status()
+        self.pid = status["pid"]
+        self.metrics_url = status["metrics_url"]
+        return status
 
     def status(self) -> dict:
         result = run_cachefs("status", "--json", str(self.path))
@@ -110,17 +120,24 @@ class CachefsMount:
         self._reap()
 
     def kill(self) -> None:
-        """SIGKILL the daemon, leaving a stale mount behind, as a crash would."""
-        if self.pid:
-            os.kill(self.pid, signal.SIGKILL)
-            self._reap()
+        """SIGKILL the daemon, supervisor and serving process, leaving a stale mount behind,
+        as a crash of the whole service would."""
+        for pid in (self.supervisor_pid, self.pid):
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._reap()
 
     def _reap(self) -> None:
-        if not self.pid:
-            return
-        if not wait_gone(self.pid, 15):
-            os.kill(self.pid, signal.SIGKILL)
-        self.pid = None
+        for pid in (self.pid, self.supervisor_pid):
+            if pid and not wait_gone(pid, 15):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.pid = self.supervisor_pid = None
 
     def log_tail(self, lines: int = 60) -> str:
         try:

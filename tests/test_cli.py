@@ -406,7 +406,8 @@ def test_bash_completion_is_valid_and_completes_commands_flags_and_paths(tmp_pat
                                 str(tmp_path)], capture_output=True, text=True, timeout=30)
     assert completed.returncode == 0, completed.stderr
     commands, flags, paths = completed.stdout.splitlines()
-    assert commands.split() == ["mount", "unmount", "status", "warm", "verify", "completion"]
+    assert commands.split() == ["mount", "upgrade", "unmount", "status", "warm", "verify",
+                                "completion"]
     assert flags == "--passthrough"
     assert f"{tmp_path}/nvme" in paths.split()
 

@@ -13,7 +13,6 @@ import io
 import mmap
 import os
 import random
-import signal
 import tarfile
 import time
 from pathlib import Path
@@ -209,10 +208,9 @@ def test_kill_9_during_a_fill_leaves_nothing_indexed(source, remote, mount_cache
     try:
         assert os.pread(reader, 4096, 0) == data[:4096]
         wait_for(lambda: os.listdir(mount.cache_dir / "tmp"), what="the fill under way")
-        os.kill(mount.pid, signal.SIGKILL)
+        mount.kill()  # the supervisor too: the whole service is gone
     finally:
         os.close(reader)
-    mount.kill()
     remote.configure(bandwidth_mbps=0)
     mount.start()  # cleans the stale mount up; the cache is reconciled in the background
     status = wait_for(lambda: (st := mount.status())["reconciling"] is False and st,

@@ -307,7 +307,7 @@ def test_exec_start_notifies_ready_once_serving_and_exec_stop_unmounts(service, 
         # READY=1 means serving: the mount is there and answers a read at once.
         assert find_mount(mountpoint).fstype == "fuse.cachefs"
         assert read_with_timeout(mountpoint / "train" / "a.bin") == service["payload"]
-        # NotifyAccess=main holds: the notifying process is the one systemd started.
+        # MAINPID names the process systemd started (the supervisor holding the connection).
         assert int(ready["MAINPID"]) == daemon.pid
         assert ready["STATUS"].startswith("hit ratio")
         # STATUS= is refreshed while the mount runs: the open above is in it now.

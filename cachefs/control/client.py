@@ -41,6 +41,16 @@ def _readlink_with_timeout(path: Path, timeout: float) -> str:
     return result[0]
 
 
+def control_path(mountpoint: str | os.PathLike) -> str:
+    """Where the control socket of the daemon serving ``mountpoint`` is."""
+    mountpoint = Path(os.path.abspath(mountpoint))
+    entry = find_mount(mountpoint)
+    if entry is None or entry.fstype != FSTYPE:
+        what = "not mounted" if entry is None else f"a {entry.fstype} mount"
+        raise UsageError(f"{mountpoint} is not a cachefs mount ({what})")
+    return _readlink_with_timeout(mountpoint / CONTROL_NAME, CONNECT_TIMEOUT_SECONDS)
+
+
 def connect(mountpoint: str | os.PathLike, timeout: float = CONNECT_TIMEOUT_SECONDS
             ) -> socket.socket:
     """A connected control socket of the daemon serving ``mountpoint``."""

@@ -39,6 +39,16 @@ def _verification(v: dict) -> str:
     return done + ("" if v["trusted"] else "; stopped")
 
 
+def _restarts(st: dict, serving: dict) -> str:
+    pause = serving["last_restart_pause_seconds"]
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(serving["since"]))
+    text = (f"{serving['restarts']:,} since the mount (supervisor pid {st['supervisor_pid']}); "
+            f"this process serves since {since}")
+    if pause is not None:
+        text += f" after a pause of {pause * 1000:.0f} ms"
+    return text + f"; {serving['requests_resent']:,} requests resent to it"
+
+
 def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
     """The title line and the (label, value) rows that ``cachefs status`` shows."""
     opens = st["file_opens"]
@@ -97,6 +107,9 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
         rows.append(("prefetch", f"{prefetch['used']:,} used, {prefetch['wasted']:,} wasted, "
                                  f"{prefetch['failed']:,} failed; {prefetch['queued']:,} queued, "
                                  f"{prefetch['inflight']:,} in flight"))
+    serving = st.get("serving")
+    if serving and serving["restarts"]:
+        rows.append(("restarts", _restarts(st, serving)))
     if st["integrity_failures"]:
         rows.append(("integrity", f"{st['integrity_failures']:,} corrupt chunks dropped and "
                                   "refetched"))

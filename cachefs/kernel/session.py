@@ -154,7 +154,8 @@ class Session:
 
     def __init__(self, fs: Filesystem, *, want_passthrough: bool = True,
                  readdirplus: bool = False, base_threads: int = BASE_THREADS,
-                 on_unexpected: Callable[[], None] | None = None) -> None:
+                 on_unexpected: Callable[[], None] | None = None,
+                 on_resent: Callable[[], None] | None = None) -> None:
         self.fs = fs
         self.fd = -1
         self.mountpoint = ""
@@ -163,6 +164,7 @@ class Session:
         self._readdirplus = readdirplus
         self._base = base_threads
         self._on_unexpected = on_unexpected
+        self._on_resent = on_resent
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._local = threading.local()  # per serving thread: "waiting", see _serve
@@ -176,6 +178,9 @@ class Session:
         self._wake = threading.Event()
         self._short_since: float | None = None  # since when no thread is free of the remote
         self._no_flush = False
+        # Requests the kernel sent again after a takeover (their unique has UNIQUE_RESEND).
+        self.resent_requests = 0
+        self.resend_supported: bool | None = None  # None: no takeover
         self._handlers = {
             p.LOOKUP: self._lookup, p.FORGET: self._forget, p.BATCH_FORGET: self._batch_forget,
             p.GETATTR: self._getattr, p.READLINK: self._readlink, p.OPEN: self._open,
@@ -191,6 +196,20 @@ class Session:
     def mount(self, mountpoint: str, options: kmount.MountOptions) -> None:
         self.fd = kmount.mount(mountpoint, options)
         self.mountpoint = mountpoint
+
+    def take_over(self, fd: int, connection: Connection | None) -> None:
+        """Serve the connection another process set up (kernel/takeover.py): ``connection``
+        is what its handshake settled (None: the handshake had not completed; the kernel sends
+        INIT again with the requests resent).  The file system learns it as after INIT, then
+        the kernel is asked to resend the requests the previous server read and never
+        answered; :meth:`serve` then serves them."""
+        from cachefs.kernel import takeover
+
+        self.fd = fd
+        if connection is not None:
+            self.connection = connection
+            self.fs.init(self, connection)
+        self.resend_supported = takeover.resend(fd)
 
     def unmount(self) -> None:
         """Detach the mount; the serving threads then see the end of the session."""
@@ -363,6 +382,10 @@ class Session:
                     self._end()
                     return
                 _len, opcode, unique, nodeid, uid, gid, pid, _ext, _pad = unpack(buffer)
+                if unique >> 63:  # takeover.UNIQUE_RESEND: read by a server that died
+                    self.resent_requests += 1
+                    if self._on_resent is not None:
+                        self._on_resent()
                 with self._lock:
                     self._busy += 1
                 remotewait.set_token(unique)

@@ -31,9 +31,17 @@ no passthrough open while the node has opens served here with its page cache; ``
 tracks both for the nodes with open files, and an open that cannot use passthrough is served
 here instead.
 
-Lock order: ``MirrorFS._lock`` (open nodes, handles, held files, directory paths) and the node
-table's are leaves: neither is held while taking the other, nor across a call into the tree,
-the store or the kernel.
+Restarts (kernel/takeover.py).  A file handle is a slot of the handle table (handles.py), in a
+mapped file beside the node table: a process taking the mount over adopts the open files
+from it (:meth:`MirrorFS.init`), so that a READ of a handle served here is served (the file
+opened again at the first one), the RELEASE of the last passthrough open of a backing file
+closes it, and a new open of a node with passthrough opens names their backing file.  The
+cache files the predecessor kept registered are closed.  A directory handle is not recorded: a
+READDIR of one the process does not know lists the directory again.
+
+Lock order: ``MirrorFS._lock`` (open nodes, handles and their table, held files, directory
+paths) and the node table's are leaves: neither is held while taking the other, nor across a
+call into the tree, the store or the kernel.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from cachefs.attr import Attr, Version
 from cachefs.errors import errno_for
 from cachefs.kernel import protocol as p
 from cachefs.kernel.session import Connection, Request, Session
+from cachefs.mirror import handles as h
 from cachefs.mirror.nodes import ROOT_ID, NodeTable
 from cachefs.mirror.tree import CachedTree, Located, is_control_entry
 
@@ -115,6 +124,7 @@ class Backing:
     evicted: bool = False
     readable: bool = True  # False: no descriptor of ours, or the remote's file by path (O_PATH)
     checked_as: tuple[int, int, int] | None = None
+    record: int = 0  # its slot in the handle table, when held and registered
 
     @classmethod
     def of(cls, fd: int, backing_id: int, located: Located) -> Backing:
@@ -127,7 +137,8 @@ class Backing:
 @dataclass(eq=False)
 class Handle:
     """One open file: its node, and either a backing (passthrough, or pread here from its
-    descriptor) or a tree handle read chunk by chunk."""
+    descriptor) or a tree handle read chunk by chunk; neither for an open served here that a
+    predecessor made (opened again at its first READ)."""
 
     opened: Opened
     backing: Backing | None
@@ -201,13 +212,14 @@ def _max_held_descriptors() -> int:
 class MirrorFS:
     """The FUSE requests of one cachefs mount.
 
-    Thread safety: ``_lock`` guards ``_opened``, ``_handles``, ``_held``, ``_dir_paths`` and
-    the counters of every Opened and Backing; the node table has its own lock; everything
-    else is the tree's.
+    Thread safety: ``_lock`` guards ``_opened``, ``_handles``, the handle table, ``_held``,
+    ``_dir_paths`` and the counters of every Opened and Backing; the node table has its own
+    lock; everything else is the tree's.
     """
 
     def __init__(self, tree: CachedTree, *, on_mounted, metrics,
-                 max_held: int | None = None, nodes: NodeTable | None = None) -> None:
+                 max_held: int | None = None, nodes: NodeTable | None = None,
+                 handles: h.HandleTable | None = None) -> None:
         self.tree = tree
         self._on_mounted = on_mounted
         self._open_seconds = metrics.open_seconds
@@ -219,7 +231,11 @@ class MirrorFS:
         self._dir_paths: dict[int, str] = {ROOT_ID: ""}
         self._opened: dict[int, Opened] = {}
         self._handles: dict[int, Handle] = {}
-        self._fhs = itertools.count(1)
+        self.records = handles if handles is not None else h.HandleTable(None)
+        # Directory handles (not recorded): from a number no predecessor of this process used.
+        self._fhs = itertools.count(time.time_ns())
+        # Backing ids a predecessor left registered that no open used, closed at takeover.
+        self.backing_ids_closed = 0
         # An open directory's entries (None: not listed yet, the kernel has them cached).
         self._dirs: dict[int, list[tuple[bytes, int]] | None] = {}
         # Per directory node: the version (mtime, ctime) the kernel's cached listing is of.
@@ -235,7 +251,47 @@ class MirrorFS:
         self.passthrough = connection.passthrough
         if self.passthrough:  # the kernel holds them, not descriptors of ours
             self._held.max_files = self._max_held or DEFAULT_MAX_HELD
+        if self.records.inherited:
+            self._adopt()
         self._on_mounted(connection)
+
+    def _adopt(self) -> None:
+        """Take the open files of the process that served the mount before (the handle
+        table it left), before any request of this process is read."""
+        shared: dict[int, Backing] = {}  # backing id -> the passthrough opens' backing
+        held: list[h.Record] = []
+        with self._lock:
+            for record in self.records.records_locked():
+                if record.kind == h.HELD:
+                    held.append(record)
+                    continue
+                info = self.nodes.get(record.nodeid)
+                if info is None:  # not a node the kernel holds: an open never answered
+                    self.records.remove_locked(record.slot)
+                    continue
+                opened = self._opened_locked(Node(record.nodeid, "", info.attr))
+                if record.kind == h.PASSTHROUGH:
+                    backing = shared.get(record.backing_id)
+                    if backing is None:
+                        # The kernel holds the file; the last RELEASE closes the id.
+                        backing = shared[record.backing_id] = Backing(
+                            -1, record.backing_id, False, _HIT, readable=False)
+                    backing.opens += 1
+                    opened.backing = backing
+                    opened.passthrough += 1
+                    self._handles[record.slot] = Handle(opened, backing, True)
+                else:
+                    opened.served += 1
+                    self._handles[record.slot] = Handle(opened, None, False)
+            for record in held:
+                self.records.remove_locked(record.slot)
+        closing = [record.backing_id for record in held if record.backing_id not in shared]
+        for backing_id in closing:
+            self.session.backing_close(backing_id)
+        self.backing_ids_closed = len(closing)
+        log.info("took over %d open files (%d through the kernel); closed %d backing files "
+                 "kept by the previous process", len(self._handles),
+                 sum(b.opens for b in shared.values()), len(closing))
 
     def errno_for(self, exc: BaseException) -> int | None:
         return errno_for(exc)
@@ -340,9 +396,8 @@ class MirrorFS:
     def readdir(self, req: Request, nodeid: int, fh: int, offset: int, size: int,
                 plus: bool) -> bytes:
         with self._lock:
-            if fh not in self._dirs:
-                raise OSError(errno.EBADF, "directory not open")
-            entries = self._dirs[fh]
+            # A handle this process does not know was opened by a predecessor: listed again.
+            entries = self._dirs.setdefault(fh, None)
         if entries is None:
             relpath = self._node(nodeid).relpath
             # Names only for a walk that does not stat them; with their attributes once the
@@ -472,6 +527,7 @@ class MirrorFS:
             os.close(fd)
             backing.fd, backing.readable = -1, False
             with self._lock:
+                backing.record = self.records.add_locked(0, backing_id, h.HELD)
                 out = self._held.put_locked(held_key(node.relpath, node.attr.version),
                                             backing)
                 out = [b for b in out if b.opens == 0]
@@ -504,7 +560,8 @@ class MirrorFS:
                 opened.passthrough += 1
             if backing is not None:
                 backing.opens += 1
-                fh = next(self._fhs)
+                fh = self.records.add_locked(node.nodeid, backing.backing_id if passthrough
+                                             else 0, h.PASSTHROUGH if passthrough else h.SERVED)
                 self._handles[fh] = Handle(opened, backing, passthrough)
         if closing is not None:
             self._close_backing(closing)
@@ -536,7 +593,7 @@ class MirrorFS:
             opened = self._opened_locked(node)
             backing.opens += 1
             opened.served += 1
-            fh = next(self._fhs)
+            fh = self.records.add_locked(node.nodeid, 0, h.SERVED)
             self._handles[fh] = Handle(opened, backing, False)
         return p.open_out(fh, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
 
@@ -546,7 +603,7 @@ class MirrorFS:
         with self._lock:
             opened = self._opened_locked(node)
             opened.served += 1
-            fh = next(self._fhs)
+            fh = self.records.add_locked(node.nodeid, 0, h.SERVED)
             self._handles[fh] = Handle(opened, None, False, tree_handle)
         return p.open_out(fh, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
 
@@ -557,19 +614,32 @@ class MirrorFS:
         self._served_reads.inc()
         if handle.backing is not None:
             return os.pread(handle.backing.fd, size, offset)
+        if not handle.tree_handle:
+            self._reopen(nodeid, handle)
         return self.tree.read(handle.tree_handle, size, offset)
+
+    def _reopen(self, nodeid: int, handle: Handle) -> None:
+        """Open again, chunk by chunk, a file a predecessor opened and served here."""
+        node = self._node(nodeid)
+        tree_handle = self.tree.register(self.tree.read_through(node.relpath, node.attr).handle)
+        with self._lock:
+            if not handle.tree_handle:
+                handle.tree_handle, tree_handle = tree_handle, 0
+        if tree_handle:  # another READ of the handle did it first
+            self.tree.release(tree_handle)
 
     def release(self, req: Request | None, nodeid: int, fh: int) -> None:
         with self._lock:
             handle = self._handles.pop(fh, None)
             if handle is None:
                 return
+            self.records.remove_locked(fh)
             opened, backing = handle.opened, handle.backing
             if handle.passthrough:
                 opened.passthrough -= 1
                 if not opened.passthrough:
                     opened.backing = None
-            elif backing is not None or handle.tree_handle:
+            else:
                 opened.served -= 1
             if opened.idle and self._opened.get(opened.node.nodeid) is opened:
                 del self._opened[opened.node.nodeid]
@@ -584,6 +654,10 @@ class MirrorFS:
             self.tree.release(handle.tree_handle)
 
     def _close_backing(self, backing: Backing) -> None:
+        if backing.record:
+            with self._lock:
+                self.records.remove_locked(backing.record)
+                backing.record = 0
         if backing.backing_id:
             self.session.backing_close(backing.backing_id)
         if backing.fd >= 0:

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     mount = commands.add_parser("mount", help="mount a cached mirror of a remote dataset")
     add_mount_arguments(mount)
 
+    upgrade = commands.add_parser(
+        "upgrade", help="hand a mount to a new daemon of this cachefs, without unmounting",
+        description="Start the running daemon's mount command again with this cachefs and "
+        "hand it the mount: open files stay open, readers wait a fraction of a second.")
+    upgrade.add_argument("mountpoint")
+
     unmount = commands.add_parser("unmount", help="unmount and stop the daemon")
     unmount.add_argument("mountpoint")
     unmount.add_argument("--lazy", action="store_true",
@@ -142,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'cachefs completion bash > /etc/bash_completion.d/cachefs' or, for zsh, into a "
         "file named _cachefs in a directory of $fpath.")
     completion.add_argument("shell", choices=COMPLETION_SHELLS)
-    for command in (mount, unmount, status, warm, verify):
+    for command in (mount, upgrade, unmount, status, warm, verify):
         _complete_paths(command)
     return parser
 
@@ -221,28 +227,63 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
         settings, sources = _resolve_settings(args)
         print(dryrun.report(settings, sources))
         return 0
+    from cachefs.service import upgrade
+
     settings = _settings_from_args(args)
-    note = preflight.preflight(settings)
+    # Set by `cachefs upgrade`: the running daemon's control socket, to take its mount from.
+    take_over_from = os.environ.pop(upgrade.TAKE_OVER_ENV, None) if args.foreground else None
+    note = preflight.preflight(settings, taking_over=take_over_from is not None)
     if not args.foreground:
         if note:
             print(f"cachefs: {note}", file=sys.stderr)
         return _mount_in_background(settings, argv)
 
+    from cachefs.service.supervisor import Supervisor
+
     _configure_logging(settings.log_file, args.debug)
-    instance = daemon.Daemon(settings)
+    # The supervisor holds the mount's connection; its children serve it, one after the other.
+    ready = os.environ.pop(daemon.READY_FD_ENV, None)
+    ready_fd = int(ready) if ready and ready.isdigit() else None
+    inherited = None
+    if take_over_from is not None:
+        try:
+            inherited = upgrade.receive_mount(take_over_from)
+        except UsageError as exc:
+            if ready_fd is not None:
+                os.environ[daemon.READY_FD_ENV] = str(ready_fd)
+                daemon.report_ready(str(exc))
+            raise
+        log.info("took the mount of %s over from process %d", settings.mountpoint,
+                 inherited.old_pid)
+    supervisor = Supervisor(str(settings.mountpoint),
+                            lambda succession: _serve_mount(settings, succession),
+                            ready_fd=ready_fd, inherited=inherited)
+    return supervisor.run()
+
+
+def _serve_mount(settings, succession) -> int:
+    """A serving child: start the daemon, mount (or take the mount over) and serve until it
+    ends; 0 when it ended by an unmount."""
+    from cachefs.service import daemon
+
+    instance = daemon.Daemon(settings, succession)
     try:
-        instance.start()
+        try:
+            instance.start()
+        except UsageError as exc:
+            daemon.report_ready(str(exc))
+            raise
+        try:
+            instance.serve()
+        except RuntimeError as exc:
+            message = f"mounting {settings.mountpoint} failed ({exc}); see the log for the reason"
+            daemon.report_ready(message)
+            raise UsageError(message) from None
+        finally:
+            instance.stop()
     except UsageError as exc:
-        daemon.report_ready(str(exc))
-        raise
-    try:
-        instance.serve()
-    except RuntimeError as exc:
-        message = f"mounting {settings.mountpoint} failed ({exc}); see the log for the reason"
-        daemon.report_ready(message)
-        raise UsageError(message) from None
-    finally:
-        instance.stop()
+        print(f"cachefs mount: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     return 0
 
 
@@ -317,9 +358,10 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         raise UsageError(f"{mountpoint} is not mounted")
     if entry.fstype != FSTYPE:
         raise UsageError(f"{mountpoint} is a {entry.fstype} mount, not cachefs; use umount")
-    pid = None
+    pid = supervisor = None
     try:
-        pid = fetch_status(mountpoint).get("pid")
+        st = fetch_status(mountpoint)
+        pid, supervisor = st.get("pid"), st.get("supervisor_pid")
     except UsageError:
         pass  # a dead or hung daemon: unmounting is all there is to do
     result = unmount(mountpoint, lazy=args.lazy)
@@ -329,6 +371,60 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot unmount {mountpoint}: {reason}{hint}")
     if pid and not args.lazy:
         wait_gone(pid, 30.0)
+    if supervisor and not args.lazy:
+        wait_gone(supervisor, 10.0)
+    return 0
+
+
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    """Start the running daemon's command with this cachefs, which takes the mount over
+    (service/upgrade.py); wait until it serves and the old daemon is gone."""
+    import cachefs
+    from cachefs.control.client import control_path
+    from cachefs.control.client import status as fetch_status
+    from cachefs.service import daemon, upgrade
+    from cachefs.service.process import wait_gone
+
+    mountpoint = Path(os.path.abspath(args.mountpoint))
+    command, old = upgrade.running_command(str(mountpoint))
+    control = control_path(mountpoint)
+    if "--foreground" not in command:
+        command.append("--foreground")
+    # Its log: where the command says (the last --log-file), else where a mount's goes.
+    given = [value for flag, value in zip(command, command[1:], strict=False)
+             if flag == "--log-file"]
+    log_file = Path(given[-1]) if given else daemon.default_log_file(mountpoint)
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        log_stream = open(log_file, "ab")  # noqa: SIM115 (handed to the child below)
+    except OSError as exc:
+        raise UsageError(f"cannot write log file {log_file}: {exc.strerror}") from None
+    # This cachefs, whatever the directory: -P keeps the old daemon's directory off sys.path.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cachefs.__file__)))
+    read_end, write_end = os.pipe()
+    env = dict(os.environ, **{daemon.READY_FD_ENV: str(write_end),
+                              upgrade.TAKE_OVER_ENV: control,
+                              "PYTHONPATH": os.pathsep.join(
+                                  [root, *filter(None, [os.environ.get("PYTHONPATH")])])})
+    with log_stream:
+        child = subprocess.Popen(
+            [sys.executable, "-P", "-m", "cachefs", *command], stdin=subprocess.DEVNULL,
+            stdout=log_stream, stderr=log_stream, pass_fds=(write_end,),
+            start_new_session=True, env=env, close_fds=True, cwd=old.get("cwd") or "/")
+    os.close(write_end)
+    message = _wait_for_ready(read_end, child)
+    os.close(read_end)
+    if message != "READY":
+        if child.poll() is None:
+            child.terminate()
+        raise UsageError(message or f"the new daemon exited before serving; see {log_file}")
+    if old.get("supervisor_pid"):
+        wait_gone(old["supervisor_pid"], 30.0)
+    new = fetch_status(mountpoint)
+    pause = new["serving"]["last_restart_pause_seconds"] or 0.0
+    print(f"{mountpoint}: cachefs {old['version']} (pid {old['pid']}) -> cachefs "
+          f"{new['version']} (pid {new['pid']}); readers waited at most "
+          f"{pause * 1000:.0f} ms")
     return 0
 
 
@@ -370,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_mount(args, argv)
         if args.command == "unmount":
             return cmd_unmount(args)
+        if args.command == "upgrade":
+            return cmd_upgrade(args)
         if args.command == "status":
             return cmd_status(args)
         if args.command == "warm":

@@ -1,5 +1,9 @@
 """One cachefs mount: wires the parts together, serves until unmounted, cleans up.
 
+Under the supervisor (service/supervisor.py) a daemon is its serving child: the first mounts
+and hands the descriptor up; a successor takes the connection over (kernel/takeover.py) with
+the node and handle tables its predecessor left in the runtime directory.
+
 Startup order matters: everything that can fail on bad input (paths, the cache
 dir, the metrics port, the socket) is done before the FUSE mount, so a failure
 leaves nothing mounted.  Readiness is reported once the kernel has completed
@@ -15,6 +19,7 @@ import os
 import shutil
 import signal
 import sqlite3
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +29,7 @@ from cachefs import __version__
 from cachefs.address import MetricsAddress
 from cachefs.control.server import ControlServer, Peer, Reply
 from cachefs.errors import CachefsError, UsageError
+from cachefs.kernel import takeover
 from cachefs.kernel.mount import MountOptions
 from cachefs.kernel.session import Connection, Session
 from cachefs.metrics import (
@@ -35,6 +41,7 @@ from cachefs.metrics import (
     WARM_RESULTS,
     Metrics,
 )
+from cachefs.mirror.handles import HandleTable
 from cachefs.mirror.mirrorfs import MirrorFS
 from cachefs.mirror.nodes import NodeTable
 from cachefs.mirror.tree import CONTROL_NAME, CachedTree, is_control_entry
@@ -52,6 +59,7 @@ from cachefs.remote.origin import RemoteOrigin
 from cachefs.remote.remote import Remote
 from cachefs.service import sdnotify
 from cachefs.service.config import Settings
+from cachefs.service.supervisor import Succession
 from cachefs.store.admission import ClusterAdmission, FractionAdmission
 from cachefs.store.store import CacheStore
 
@@ -96,8 +104,13 @@ def default_log_file(mountpoint: Path) -> Path:
 class Daemon:
     """A mount being served.  Build with :meth:`start` (no FUSE yet), then :meth:`serve`."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, succession: Succession | None = None) -> None:
         self.settings = settings
+        self.succession = succession
+        self.serving_since: float | None = None  # when this process started serving
+        self.restart_pause: float | None = None  # death of the predecessor to serving here
+        self.session: Session | None = None
+        self._handing_to = 0  # the process HANDOVER gave the mount to
         self._mount_text = str(settings.mountpoint)  # what request paths are relative to
         self.started_at = time.time()
         self.metrics = Metrics()
@@ -184,7 +197,9 @@ class Daemon:
                 control_path,
                 {b"STATUS": self._status_request, b"PING": self._ping_request,
                  b"HINT": self._hint_request, b"FETCH": self._fetch_request,
-                 b"READ": self._read_request, b"OPEN": self._open_request},
+                 b"READ": self._read_request, b"OPEN": self._open_request,
+                 b"HANDOVER": self._handover_request,
+                 b"RELINQUISH": self._relinquish_request},
                 on_invalid=m.hints.labels("invalid").inc)
         except BaseException:
             self.stop()
@@ -205,21 +220,44 @@ class Daemon:
             log.info("unmounted %s", s.mountpoint)
             sdnotify.notify("STOPPING=1")
 
+    def _tables(self, taking_over: bool) -> tuple[NodeTable, HandleTable]:
+        base = node_table_base(self.settings)
+        if taking_over:
+            try:
+                return (NodeTable(base, self.tree.getattr(""), take_over=True),
+                        HandleTable(base, take_over=True))
+            except (OSError, ValueError) as exc:
+                # Served on with new tables: names the kernel holds are answered ESTALE (it
+                # looks them up again), open files EBADF.
+                log.error("the tables of the previous process are unusable (%s); node ids "
+                          "the kernel holds are lost", exc)
+        return NodeTable(base, self.tree.getattr("")), HandleTable(base)
+
     def _serve_session(self) -> None:
         s = self.settings
-        nodes = NodeTable(node_table_base(s), self.tree.getattr(""))
+        succession = self.succession
+        taking_over = succession is not None and succession.fd is not None
+        nodes, handles = self._tables(taking_over)
         self.fs = MirrorFS(self.tree, on_mounted=self._on_mounted, metrics=self.metrics,
-                           nodes=nodes, max_held=s.held_files)
+                           nodes=nodes, handles=handles, max_held=s.held_files)
         self.metrics.bind_gauge(self.metrics.nodes, lambda: len(nodes))
         self.store.on_dropped = lambda key, version: self.fs.drop_held(os.fsdecode(key),
                                                                        version)
-        session = Session(self.fs, want_passthrough=s.passthrough != "off", readdirplus=True,
-                          on_unexpected=None)
-        try:
-            session.mount(str(s.mountpoint), MountOptions(
-                fsname=str(s.backing), subtype="cachefs", allow_other=s.allow_other))
-        except OSError as exc:
-            raise RuntimeError(str(exc)) from None
+        session = self.session = Session(self.fs, want_passthrough=s.passthrough != "off",
+                                         readdirplus=True, on_unexpected=None,
+                                         on_resent=self.metrics.requests_resent.inc)
+        if taking_over:
+            self.metrics.restarts.inc(succession.restarts)
+            session.mountpoint = str(s.mountpoint)
+            session.take_over(succession.fd, succession.connection)  # serving from here
+        else:
+            try:
+                session.mount(str(s.mountpoint), MountOptions(
+                    fsname=str(s.backing), subtype="cachefs", allow_other=s.allow_other))
+            except OSError as exc:
+                raise RuntimeError(str(exc)) from None
+            if succession is not None:
+                succession.report_descriptor(session.fd)
         previous = {sig: signal.signal(sig, lambda *_: session.unmount())
                     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
@@ -229,8 +267,25 @@ class Daemon:
                 signal.signal(sig, handler)
             session.close()
             nodes.close(remove=True)  # unmounted: no successor needs them
+            handles.close(remove=True)
+
+    def _serving(self) -> None:
+        """This process serves the mount from now on (after INIT, or taking it over)."""
+        now = time.time()
+        self.serving_since = now
+        self.metrics.serving_start_time.set(now)
+        died_at = self.succession.died_at if self.succession is not None else None
+        if died_at is not None:
+            self.restart_pause = max(0.0, now - died_at)
+            self.metrics.restart_pause.set(self.restart_pause)
+            log.info("took the mount over from a process gone %.3f s ago (restart %d)",
+                     self.restart_pause, self.succession.restarts)
 
     def _on_mounted(self, connection: Connection) -> None:
+        if self.serving_since is None:
+            self._serving()
+        if self.succession is not None:
+            self.succession.report_connection(connection)
         if connection.passthrough and self.settings.passthrough == "auto":
             self.remote_files.enabled = True
             self.data_path = ("kernel passthrough: the kernel reads local files and, for a "
@@ -245,7 +300,8 @@ class Daemon:
         log.info("serving %s at %s; data path: %s", self.settings.backing,
                  self.settings.mountpoint, self.data_path)
         report_ready()
-        sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={os.getpid()}")
+        main_pid = self.succession.supervisor_pid if self.succession else os.getpid()
+        sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={main_pid}")
         sdnotify.keep_status_current(self.status_line)
 
     def stop(self) -> None:
@@ -278,6 +334,11 @@ class Daemon:
         return {
             "version": __version__,
             "pid": os.getpid(),
+            "supervisor_pid": self.succession.supervisor_pid if self.succession else None,
+            # What `cachefs upgrade` starts again (service/upgrade.py).
+            "command": sys.argv[1:] if self.succession else None,
+            "cwd": os.getcwd(),
+            "serving": self._serving_status(),
             "mountpoint": str(s.mountpoint),
             "backing": str(s.backing),
             "cache_dir": str(s.cache_dir),
@@ -321,6 +382,20 @@ class Daemon:
                 "under_way": self.remote_files.fills_under_way if self.remote_files else 0,
             },
             "cluster": self._cluster_status(),
+        }
+
+    def _serving_status(self) -> dict:
+        """The process serving the mount, and the takeovers since the mount was made."""
+        succession, session = self.succession, self.session
+        return {
+            "since": self.serving_since,
+            "mounted_since": succession.mounted_at if succession else self.started_at,
+            "restarts": succession.restarts if succession else 0,
+            "last_restart_pause_seconds": None if self.restart_pause is None
+            else round(self.restart_pause, 4),
+            "requests_resent": session.resent_requests if session else 0,
+            "resend_supported": session.resend_supported if session else None,
+            "backing_ids_closed": self.fs.backing_ids_closed if self.fs else 0,
         }
 
     def _memory_status(self) -> dict:
@@ -404,6 +479,38 @@ class Daemon:
         finally:
             os.close(found.fd)
         return Reply({"ok": True, "size": len(data), "result": found.result}, payload=data)
+
+    def _handover_request(self, peer: Peer, argument: bytes) -> Reply:
+        """`cachefs upgrade`: the mount's descriptor and what its handshake settled, for a new
+        daemon of the same user (service/upgrade.py); RELINQUISH then ends this one."""
+        session, succession = self.session, self.succession
+        if peer.uid not in (0, os.geteuid()):
+            return Reply({"ok": False, "error": "only the daemon's own user may take its "
+                                                "mount over"})
+        if session is None or session.fd < 0 or succession is None:
+            return Reply({"ok": False, "error": "not serving a mount"})
+        self._handing_to = peer.pid
+        connection = session.connection
+        log.info("handing the mount over to process %d", peer.pid)
+        return Reply({"ok": True, "pid": os.getpid(), "version": __version__,
+                      "connection": takeover.connection_text(connection) if connection else None,
+                      "restarts": succession.restarts, "mounted_at": succession.mounted_at},
+                     fd=os.dup(session.fd))
+
+    def _relinquish_request(self, peer: Peer, argument: bytes) -> Reply:
+        """Exit at once for the daemon that took the descriptor: as a killed one would
+        (nothing unmounted, the tables left for it, the requests in flight resent to it), with
+        the index's pending writes committed and its supervisor exiting with it."""
+        if self._handing_to != peer.pid:
+            return Reply({"ok": False, "error": "HANDOVER first"})
+        log.info("process %d took the mount over; exiting", peer.pid)
+        try:
+            if self.store is not None:
+                self.store.index.flush()
+        finally:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(0)  # 0: the supervisor exits too, without unmounting
 
     def _ping_request(self, peer, argument: bytes) -> Reply:
         return Reply({"ok": True, "version": __version__,

@@ -79,8 +79,11 @@ def prepare_mountpoint(mountpoint: Path) -> str | None:
     return note
 
 
-def preflight(settings: Settings) -> str | None:
-    """Every check, in the order a person would fix them; returns a note to show, if any."""
+def preflight(settings: Settings, *, taking_over: bool = False) -> str | None:
+    """Every check, in the order a person would fix them; returns a note to show, if any.
+    ``taking_over`` a mount from a running daemon (`cachefs upgrade`): it is mounted."""
     check_backing(settings.backing)
     check_paths(settings)
+    if taking_over:
+        return None
     return prepare_mountpoint(settings.mountpoint)

@@ -1,0 +1,107 @@
+"""``cachefs upgrade MOUNTPOINT``: hand a mount from the daemon serving it to a new one, which
+may run another version of cachefs (the one ``cachefs upgrade`` itself runs from).
+
+1. ``cachefs upgrade`` asks the running daemon for its mount command (STATUS, ``command``) and
+   starts that command again, detached, as ``cachefs mount`` does, with
+   ``CACHEFS_TAKE_OVER_FROM`` naming the old daemon's control socket.
+2. The new supervisor, before it forks anything, asks the old serving process for the mount
+   (``HANDOVER``: the /dev/fuse descriptor over SCM_RIGHTS, what INIT settled, the restarts
+   so far), then tells it to go (``RELINQUISH``): it exits at once, as a killed one would,
+   and its supervisor with it, without unmounting.  The requests it had read and not answered
+   are resent to the successor (kernel/takeover.py); its node and handle tables stay in the
+   runtime directory for the successor, as after a crash.
+3. The new supervisor forks its serving child on the descriptor, which takes the mount over
+   once the old one is gone (the cache dir's lock is free), and reports ready; ``cachefs
+   upgrade`` prints the pause and returns.
+
+Only the daemon's own user (or root) may ask for the descriptor.  A daemon too old to know
+HANDOVER answers "unknown command": nothing is changed, and the upgrade fails in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from cachefs.control import client
+from cachefs.errors import UsageError
+from cachefs.kernel import takeover
+from cachefs.kernel.session import Connection
+from cachefs.service.process import wait_gone
+
+TAKE_OVER_ENV = "CACHEFS_TAKE_OVER_FROM"
+HANDOVER_TIMEOUT_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A mount received from the daemon that served it."""
+
+    fd: int
+    connection: Connection | None
+    restarts: int
+    mounted_at: float
+    old_pid: int
+    gone_at: float  # when the old serving process was gone (time.time())
+
+
+def running_command(mountpoint: str) -> tuple[list[str], dict]:
+    """The arguments the daemon serving ``mountpoint`` was started with, and its status."""
+    status = client.status(mountpoint)
+    command = status.get("command")
+    if not command:
+        raise UsageError(f"the daemon of {mountpoint} (cachefs {status.get('version', '?')}) "
+                         "cannot hand its mount over; unmount and mount again instead")
+    return list(command), status
+
+
+def receive_mount(control_path: str) -> Handover:
+    """Take the mount from the serving process at ``control_path``; it is gone on return."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(HANDOVER_TIMEOUT_SECONDS)
+    try:
+        try:
+            sock.connect(control_path)
+            sock.sendall(b"HANDOVER\n")
+            line, fds = _reply(sock)
+        except OSError as exc:
+            raise UsageError(f"cannot reach the daemon at {control_path}: "
+                             f"{exc.strerror or exc}") from None
+        reply = json.loads(line)
+        if not reply.get("ok") or not fds:
+            for fd in fds:
+                os.close(fd)
+            raise UsageError(f"the running daemon refused to hand its mount over: "
+                             f"{reply.get('error', 'no descriptor')}")
+        fd = fds[0]
+        connection = reply.get("connection")
+        try:
+            sock.sendall(b"RELINQUISH\n")
+            while sock.recv(4096):  # until it is gone: end of file
+                pass
+        except OSError:
+            pass
+    finally:
+        sock.close()
+    old_pid = int(reply["pid"])
+    if not wait_gone(old_pid, HANDOVER_TIMEOUT_SECONDS):
+        raise UsageError(f"the old serving process {old_pid} did not exit")
+    return Handover(fd, takeover.connection_from_text(connection) if connection else None,
+                    int(reply.get("restarts", 0)), float(reply.get("mounted_at", time.time())),
+                    old_pid, time.time())
+
+
+def _reply(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The first reply line and the descriptors that came with it."""
+    data = bytearray()
+    fds: list[int] = []
+    while not data.endswith(b"\n"):
+        chunk, more = takeover.receive(sock, 65536)
+        if not chunk:
+            raise OSError(0, "the daemon closed the connection")
+        data += chunk
+        fds += more
+    return bytes(data), fds
