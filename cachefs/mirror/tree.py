@@ -164,6 +164,7 @@ class CachedTree:
             entries = self.attrs.list_directory(relpath)
         else:
             entries = self.remote.listnames(relpath)
+            self.attrs.names_listed(relpath)
         if self.control_target:  # a remote file of that name is hidden by the entry
             entries = [entry for entry in entries if entry[0] != CONTROL_NAME]
         return entries

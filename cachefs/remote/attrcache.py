@@ -51,14 +51,16 @@ LISTING_SLICE = 4096
 # name, while a few stats in a huge directory list nothing.  A listing costs about what
 # 1/20 of its names' lookups would (5 us of CPU a name against 100 and a round trip).
 LIST_AFTER_LOOKUPS = 8
+LISTED_NAMES_MAX = 4096
 
 
 class AttrCache:
     """Attributes by path relative to BACKING.
 
-    Thread safety: ``_lock`` guards ``_entries``, ``_listed``, ``_listing``, ``_walked``
-    and ``_to_list`` (a leaf lock, never held across a remote call or a wait).  Listings in
-    the background run on one thread at a time, started when there is one to make.
+    Thread safety: ``_lock`` guards ``_entries``, ``_listed``, ``_listing``, ``_walked``,
+    ``_to_list`` and ``_names_listed`` (a leaf lock, never held across a remote call or a
+    wait).  Listings in the background run on one thread at a time, started when there is
+    one to make.
     """
 
     def __init__(
@@ -82,6 +84,8 @@ class AttrCache:
         # directory -> names looked up on the remote one by one since it was last listed;
         # directories waiting for the background listing, and whether its thread runs.
         self._walked: dict[str, int] = {}
+        # Directories whose names the kernel has without attributes (names_listed).
+        self._names_listed: dict[str, None] = {}
         self._to_list: dict[str, None] = {}
         self._lister_running = False
 
@@ -99,7 +103,15 @@ class AttrCache:
                 self._remember(relpath, recorded, now)
                 return recorded
         if relpath and self._remote.available:
-            self._count_walk(relpath.rpartition("/")[0], now)
+            directory = relpath.rpartition("/")[0]
+            if directory in self._names_listed:
+                with self._lock:
+                    self._names_listed.pop(directory, None)
+                self._refresh_directory(directory)
+                raw = self._entries.get(relpath)
+                if raw is not None and (self._ttl is None or now - _fetched(raw) < self._ttl):
+                    return _unpack(raw)[0]
+            self._count_walk(directory, now)
         try:
             attr = self._remote.lstat(relpath)
         except FileNotFoundError:
@@ -225,6 +237,16 @@ class AttrCache:
                 return
             self._lister_running = True
         threading.Thread(target=self._list_walked, name="attr-lister", daemon=True).start()
+
+    def names_listed(self, directory: str) -> None:
+        """The kernel was given ``directory``'s names without their attributes (a walk that
+        may not stat them, ``find``).  If it does stat them (``ls -l``), the first name
+        looked up without attributes in memory has the whole directory listed with them,
+        the lookups meanwhile waiting for that listing, not asking name by name."""
+        with self._lock:
+            if len(self._names_listed) >= LISTED_NAMES_MAX:
+                self._names_listed.clear()
+            self._names_listed[directory] = None
 
     def _list_walked(self) -> None:
         while True:
