@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,28 +133,22 @@ def _positive_seconds(value: Any) -> float:
     return number
 
 
-def _entries(value: Any) -> int:
-    problem = "is not a whole number between 1,000 and 100,000,000"
-    number = _number(value, int, problem)
-    if not 1000 <= number <= 100_000_000:
-        raise ValueError(f"{value!r} {problem}")
-    return number
+def _whole_number(low: int, high: int) -> Callable[[Any], int]:
+    """A parser of a whole number from ``low`` to ``high``."""
+    problem = f"is not a whole number between {low:,} and {high:,}"
+
+    def parse(value: Any) -> int:
+        number = _number(value, int, problem)
+        if not low <= number <= high:
+            raise ValueError(f"{value!r} {problem}")
+        return number
+
+    return parse
 
 
-def _held_files(value: Any) -> int:
-    problem = "is not a whole number between 64 and 10,000,000"
-    number = _number(value, int, problem)
-    if not 64 <= number <= 10_000_000:
-        raise ValueError(f"{value!r} {problem}")
-    return number
-
-
-def _concurrency(value: Any) -> int:
-    problem = "is not a whole number between 1 and 1024"
-    number = _number(value, int, problem)
-    if not 1 <= number <= 1024:
-        raise ValueError(f"{value!r} {problem}")
-    return number
+_entries = _whole_number(1000, 100_000_000)
+_held_files = _whole_number(64, 10_000_000)
+_concurrency = _whole_number(1, 1024)
 
 
 PASSTHROUGH_MODES = ("auto", "local", "off")
