@@ -1,8 +1,8 @@
 """bench.scale: what cachefs costs as the dataset grows: memory, start time, warm-up,
 listings and reads, per file, with N files.
 
-    python3 -m bench.scale              # 1,000,000 files of 4 KiB: some 40 minutes on 2 cores
-    python3 -m bench.scale 100000       # a tenth: some 5 minutes
+    python3 -m bench.scale              # 1,000,000 files of 4 KiB: about two hours on 2 cores
+    python3 -m bench.scale 100000       # a tenth: some 10 minutes
     python3 -m bench.scale --help
 
 N files of SIZE bytes in directories of 1,000, f = 1, cachefs mounted directly over the tree

@@ -200,11 +200,13 @@ def _run_load(mnt: Path, source: Path, small: list[str], large: list[str], sock_
     return figures, results
 
 
-def _fd_kinds(pid: int) -> collections.Counter:
+def _fd_kinds(pid: int, remote: Path | None = None) -> collections.Counter:
     """The daemon's descriptors by kind: "index" (SQLite), "data" (cache files, held open
-    across opens for passthrough), "staged" (memory files of prefetched bytes), and the rest
-    by what they are ("socket", "pipe", "anon_inode", "/dev/fuse", "file")."""
+    across opens for passthrough), "staged" (memory files of prefetched bytes, or the
+    remote's own files a hint opened, kept until read), and the rest by what they are
+    ("socket", "pipe", "anon_inode", "/dev/fuse", "file")."""
     kinds: collections.Counter = collections.Counter()
+    remote_prefix = f"{remote}/" if remote is not None else None
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -214,7 +216,7 @@ def _fd_kinds(pid: int) -> collections.Counter:
             kinds["index"] += 1
         elif "/data/" in target:
             kinds["data"] += 1
-        elif target.startswith("/memfd:"):
+        elif target.startswith("/memfd:") or (remote_prefix and target.startswith(remote_prefix)):
             kinds["staged"] += 1
         elif target.startswith("/"):
             kinds[target if target.startswith("/dev/") else "file"] += 1
@@ -260,7 +262,7 @@ def _settle(mount) -> dict[str, int]:
     wait_for(idle, timeout=60, interval=0.5, what="the daemon idle")
     time.sleep(2)  # let worker threads that outlived their work exit
     figures = process_figures(mount.pid)
-    kinds = _fd_kinds(mount.pid)
+    kinds = _fd_kinds(mount.pid, mount.backing)
     # Cache data files stay open across opens by design (registered with the kernel for
     # passthrough, bounded in number), and staged files until read or expired: they grow
     # with the cache and the staging area, not with the load.
