@@ -201,12 +201,15 @@ class Supervisor:
         try:
             while self._take(channel):
                 pass
-        except BlockingIOError:
+        except OSError:  # nothing more (EAGAIN), or the child's end reset as it exited
             pass
 
     def _take(self, channel: socket.socket) -> bool:
         """One report of the child; False at the end of them."""
-        message, fds = takeover.receive(channel)
+        try:
+            message, fds = takeover.receive(channel)
+        except ConnectionError:  # the child's end reset as it exited: no more reports
+            return False
         if not message:
             return False
         if message == b"FD" and fds:
