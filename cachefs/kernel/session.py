@@ -58,6 +58,13 @@ log = logging.getLogger(__name__)
 STUCK_SECONDS = 0.1
 # How long a request waits on the remote, with no other thread free, before a thread is added.
 GRACE_SECONDS = 0.0005
+# After this many waits in a row that ended within the grace (a remote as fast as a local
+# disk, or attributes and pages in its client's cache), a wait no longer wakes the watching
+# loop at once: it finds a long one at its next round (STUCK_SECONDS / 2) instead.  Waking it
+# for every miss cost 30-40 us of daemon CPU per file against a local tree (a futex wake, a
+# context switch and a turn at the interpreter lock; 5,000 files of 64 KiB, 8 readers, none
+# kept).  The first wait found long switches back to waking at once.
+FAST_WAITS_BEFORE_LAZY = 32
 PARKED_SECONDS = 60.0
 MAX_THREADS = 128
 # One serving thread per two cores, at least one, at most four.  Two threads on two cores
@@ -177,6 +184,7 @@ class Session:
         # Wakes the watching loop of serve(): the session ended, or a wait left no thread free.
         self._wake = threading.Event()
         self._short_since: float | None = None  # since when no thread is free of the remote
+        self._fast_waits = 0  # waits in a row that ended within GRACE_SECONDS
         self._no_flush = False
         # Requests the kernel sent again after a takeover (their unique has UNIQUE_RESEND).
         self.resent_requests = 0
@@ -332,11 +340,13 @@ class Session:
         if local.waiting:
             return
         local.waiting = True
+        now = local.wait_began = time.monotonic()
         with self._lock:
             self._waiting += 1
-            wake = self._short_since is None and self._serving_locked() - self._waiting < 1
-            if wake:
-                self._short_since = time.monotonic()
+            short = self._short_since is None and self._serving_locked() - self._waiting < 1
+            if short:
+                self._short_since = now
+            wake = short and self._fast_waits < FAST_WAITS_BEFORE_LAZY
         if wake:  # once per spell without a free thread, not per miss
             self._wake.set()
 
@@ -352,6 +362,7 @@ class Session:
             if time.monotonic() - since < GRACE_SECONDS:
                 return
             self._short_since = None
+            self._fast_waits = 0  # a slow remote: wake the watching loop at once again
         self._add_thread()
 
     def _end_remote_wait(self) -> None:
@@ -399,11 +410,16 @@ class Session:
                         log.exception("handling FUSE opcode %d failed", opcode)
                         self.reply_error(unique, errno.EIO)
                 waited, local.waiting = local.waiting, False
+                done = time.monotonic()
                 with self._lock:
                     self._busy -= 1
                     if waited:
                         self._waiting -= 1
-                    self._last_done = time.monotonic()
+                        self._fast_waits = self._fast_waits + 1 \
+                            if done - local.wait_began < GRACE_SECONDS else 0
+                        if self._serving_locked() - self._waiting >= 1:
+                            self._short_since = None  # the spell ended: a thread is free
+                    self._last_done = done
                     serving = self._serving_locked()
                     # Not needed: more threads free of the remote than the base and the
                     # spares (kept so that a burst of misses wakes no thread), and

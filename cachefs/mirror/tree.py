@@ -185,6 +185,15 @@ class CachedTree:
         prefetched = None
         if self.prefetcher is not None:
             prefetched = self.prefetcher.on_open(relpath, attr, self.remote.timeout_seconds)
+        cache_result, cache_source = "hit", "cache"
+        if prefetched is not None and prefetched.into_cache:
+            cache_result, cache_source = "prefetched", "prefetch"
+        if held is not None and (prefetched is None or prefetched.staged is None) \
+                and self.store.still_held(key, attr, held):
+            # The kept file is the one checked when it was registered, and its record stands
+            # (dropping it removes the file or lets the holder go): no index query.
+            self.count_open(cache_result, cache_source, attr.size)
+            return Located("held", cache_result, cache_source)
         admission = self.store.admission
         eligible = admission.eligible(relpath)
         # A file the cache would not keep is not in it: no index lookup for it.
@@ -193,16 +202,13 @@ class CachedTree:
             log.info("%s changed on the remote: cached copy dropped", relpath)
             self.store.drop(key)
             record = None
-        cache_result, cache_source = "hit", "cache"
-        if prefetched is not None and prefetched.into_cache:
-            cache_result, cache_source = "prefetched", "prefetch"
         if prefetched is not None and prefetched.staged is not None:
             found = Located(prefetched.staged_kind, "prefetched", "prefetch",
                             fd=prefetched.staged)
         elif attr.size == 0:  # no bytes to fetch: always whole in the cache
             found = Located("memory", cache_result, cache_source, fd=memory_file(relpath, b""))
         elif record is not None and self.store.is_complete(record):
-            found = self._cached(relpath, key, attr, record, held, cache_result, cache_source)
+            found = self._cached(relpath, key, attr, record, cache_result, cache_source)
         else:
             found = None
         if found is None and self._hands_over(relpath, key, attr, record):
@@ -228,11 +234,7 @@ class CachedTree:
             self._read_bytes[source].inc(handed_bytes)
 
     def _cached(self, relpath: str, key: bytes, attr: Attr, record: FileRecord,
-                held: tuple[int, int, int] | None, result: str, source: str
-                ) -> Located | None:
-        if held is not None and held == record.checked_as \
-                and self.store.still_good(key, record):
-            return Located("held", result, source)
+                result: str, source: str) -> Located | None:
         found = self._cache_file(key, record, result, source)
         if found is not None:
             return found

@@ -19,7 +19,7 @@ open.
 
 Thread safety: ``_lock`` guards ``_fills``, each fill's ``fd`` and ``_queued`` (a leaf lock,
 never held across a call on the remote); ``_done``, a condition on it, tells waiters that a
-fill ended.
+fill ended.  ``_cold_copies`` is a hint any fill thread updates without it.
 """
 
 from __future__ import annotations
@@ -40,9 +40,24 @@ from cachefs.store.store import CacheStore
 
 log = logging.getLogger(__name__)
 
-# Fills under way at once.  A fill mostly waits (on the remote's pages, on the cache disk),
-# outside the interpreter lock: enough to keep a remote's latency covered.
+# Fills under way at once, at most.  A fill that waits on the remote (its pages not fetched
+# yet) waits outside the interpreter lock: enough to keep a remote's latency covered.
 FILL_THREADS = 8
+# Threads are added where they help, not as fills come: once more than
+# FILL_BACKLOG_PER_THREAD fills per thread are queued while most copies find the remote
+# file's pages not cached yet (they wait on the remote, outside the interpreter lock).  A copy
+# of the pages a reader has just pulled waits on nothing, and every thread more only takes
+# turns at the interpreter lock (a futex wake and a context switch each): against a fast
+# remote (a local tree, 5,000 files of 64 KiB, 8 readers, 2 cores) one fill thread filled
+# them at 970-1,150 us of daemon CPU per file and 1,450-2,200 files/s, its copies waiting
+# 0 us beyond their CPU time (median; 65 us at the 90th percentile); eight (one per fill as
+# they came) at 1,350-1,590 us and 720-1,030 files/s, their copies waiting 350-460 us
+# (median) for each other.  Where the remote's file system cannot tell whether pages are
+# cached (RWF_NOWAIT unsupported: FUSE), copies count as waiting.  Copies that wait on
+# nothing get threads too once the queue fills up (a thread per MAX_QUEUED_FILLS /
+# FILL_THREADS queued): fills that cannot keep up with the readers are late rather than skipped.
+# A queued fill costs a descriptor, and its remote file's pages stay cached a little longer.
+FILL_BACKLOG_PER_THREAD = 4
 # Fills waiting for a thread; past this a file is filled at a later open instead.
 MAX_QUEUED_FILLS = 4096
 # Errors of a copy that are the cache disk's, not the remote's.
@@ -88,6 +103,7 @@ class RemoteFiles:
         self._queue: queue.SimpleQueue[_Fill | None] = queue.SimpleQueue()
         self._queued = 0
         self._threads: list[threading.Thread] = []
+        self._cold_copies = 0.0  # the share of recent copies whose pages were not cached
         self._closed = False
 
     def close(self) -> None:
@@ -176,7 +192,10 @@ class RemoteFiles:
                                                   counted=True)
                 self._queued += 1
                 thread = None
-                if len(self._threads) < FILL_THREADS:  # started as fills first come
+                threads = len(self._threads)
+                if not threads or threads < FILL_THREADS and self._queued > threads * (
+                        FILL_BACKLOG_PER_THREAD if self._cold_copies > 0.5
+                        else MAX_QUEUED_FILLS // FILL_THREADS):
                     thread = threading.Thread(target=self._work, name="fill", daemon=True)
                     self._threads.append(thread)
         if skipped:
@@ -213,6 +232,8 @@ class RemoteFiles:
     def _copy(self, fill: _Fill, out: int) -> None:
         if not fill.counted:
             self._remote.count_read(fill.attr.size)
+        cold = 0.0 if _cached(fill.fd, fill.attr.size) else 1.0
+        self._cold_copies += (cold - self._cold_copies) / 8
         self._remote.call(_send_checked, fill.fd, out, fill.attr.version)
 
     def _finish(self, fill: _Fill) -> None:
@@ -245,6 +266,15 @@ def _send_checked(src: int, out: int, version: Version) -> None:
             raise RemoteChanged("the file is shorter than its attributes say")
         offset += sent
     _check_version(src, version)
+
+
+def _cached(fd: int, size: int) -> bool:
+    """Whether the last page of the open file is in the page cache (a reader has read it
+    through); False also where the file system cannot tell."""
+    try:
+        return os.preadv(fd, [bytearray(1)], max(0, size - 1), os.RWF_NOWAIT) == 1
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
+        return False
 
 
 def _check_version(fd: int, version: Version) -> None:

@@ -454,14 +454,17 @@ class CacheStore:
         os.close(fd)
         return None
 
-    def still_good(self, key: bytes, record: FileRecord) -> bool:
-        """Whether the cached file of ``record`` may still be handed over as it was (a caller
-        keeps it registered with the kernel across opens): untouched since it was checked."""
+    def still_held(self, key: bytes, attr: Attr, checked_as: tuple[int, int, int]) -> bool:
+        """Whether a cached file a caller keeps registered with the kernel across opens may
+        still be handed over as it was, without asking the index: version ``attr``'s data
+        file is untouched since it was checked (``checked_as``).  Whatever drops
+        its record removes that file or tells the holder (``on_dropped``) first."""
         try:
-            st = os.stat(self.layout.data_path(data_key(key, record.version)))
+            st = os.stat(self.layout.data_path(data_key(key, attr.version)))
         except OSError:
             return False
-        return self._trusts(key, record, st)
+        return st.st_size == attr.size and _checked_as(st) == checked_as \
+            and (self._trusted or _key_hash(key) in self._verified)
 
     def _trusts(self, key: bytes, record: FileRecord, st: os.stat_result) -> bool:
         return st.st_size == record.attr.size and _checked_as(st) == record.checked_as \
@@ -851,6 +854,8 @@ class CacheStore:
                 self._full = False
         except (OSError, sqlite3.Error) as exc:
             self._pause_admission(exc)
+        # Its data file stays (the other chunks are good): a holder must let it go.
+        self.on_dropped(key, record.version)
 
     def _drop_locked(self, key: bytes, record: FileRecord) -> None:
         if self.is_complete(record):
