@@ -47,16 +47,16 @@ FILL_THREADS = 8
 # FILL_BACKLOG_PER_THREAD fills per thread are queued while most copies find the remote
 # file's pages not cached yet (they wait on the remote, outside the interpreter lock).  A copy
 # of the pages a reader has just pulled waits on nothing, and every thread more only takes
-# turns at the interpreter lock (a futex wake and a context switch each): against a fast
-# remote (a local tree, 5,000 files of 64 KiB, 8 readers, 2 cores) one fill thread filled
-# them at 970-1,150 us of daemon CPU per file and 1,450-2,200 files/s, its copies waiting
-# 0 us beyond their CPU time (median; 65 us at the 90th percentile); eight (one per fill as
-# they came) at 1,350-1,590 us and 720-1,030 files/s, their copies waiting 350-460 us
-# (median) for each other.  Where the remote's file system cannot tell whether pages are
-# cached (RWF_NOWAIT unsupported: FUSE), copies count as waiting.  Copies that wait on
-# nothing get threads too once the queue fills up (a thread per MAX_QUEUED_FILLS /
-# FILL_THREADS queued): fills that cannot keep up with the readers are late rather than skipped.
-# A queued fill costs a descriptor, and its remote file's pages stay cached a little longer.
+# turns at the interpreter lock (a futex wake and a context switch each).  Against a fast
+# remote (a local tree, 5,000 files of 64 KiB, 8 readers, 2 cores): with one thread per fill
+# as they came (eight), the copies waited 350-460 us beyond their CPU time (median) for each
+# other, with one 0 us (65 us at the 90th percentile); filling every file cost 692-822 us
+# of daemon CPU per file against 626-1,378 (in turns, 4 rounds).  Where the remote's file
+# system cannot tell whether pages are cached (RWF_NOWAIT unsupported: FUSE), copies count
+# as waiting.  Copies that wait on nothing get threads too once the queue fills up (a thread
+# per MAX_QUEUED_FILLS / FILL_THREADS queued): fills that cannot keep up with the readers are
+# late rather than skipped.  A queued fill costs a descriptor, and its remote file's pages
+# stay cached a little longer.
 FILL_BACKLOG_PER_THREAD = 4
 # Fills waiting for a thread; past this a file is filled at a later open instead.
 MAX_QUEUED_FILLS = 4096
