@@ -393,6 +393,31 @@ def test_invalid_and_hostile_hints_are_counted_and_ignored(tmp_path, source, rem
         (source / "class0000/img000002.bin").read_bytes()
 
 
+
+def test_a_hint_repeated_while_the_first_is_looked_at_counts_as_the_first(source, remote,
+                                                                        mount_cachefs):
+    """Hints of a path the remote does not have, sent again while the first is still being
+    looked up (a slow remote), are all counted invalid; of a real file, all accepted."""
+    make_files(source, 2, size=1000)
+    mount = mount_cachefs(remote.path, cache_size="64MiB")
+    remote.configure(meta_ms=1000)
+    hints = b"HINT class0000/no-such-file.bin\nHINT class0000/img000001.bin\n"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(os.readlink(mount.path / ".cachefs.sock"))
+        sock.sendall(hints)
+        time.sleep(0.3)  # taken from the queue and waiting on the remote by now
+        sock.sendall(hints * 2)
+    wait_for(lambda: mount.metric("cachefs_hints_total", result="invalid") == 3
+             and mount.metric("cachefs_hints_total", result="accepted") == 3,
+             what="every hint counted")
+    remote.configure(meta_ms=0)
+    assert mount.metric("cachefs_hints_total", result="invalid") == 3
+    assert mount.metric("cachefs_hints_total", result="accepted") == 3
+    assert mount.metric("cachefs_hints_total", result="dropped") == 0
+    assert (mount.path / "class0000/img000001.bin").read_bytes() == \
+        (source / "class0000/img000001.bin").read_bytes()
+
+
 # -- the sender survives the daemon -----------------------------------------------------------
 
 HINTING_WORKERS = """

@@ -88,7 +88,7 @@ def assert_served_by_the_daemon(mount, outcome: dict, warned: list[str], files: 
     assert warned == []
     figures = daemon_figures(mount)
     # Every hint named a file of the daemon's tree (a hint of a path it does not know is
-    # counted invalid, or accepted when it repeats one still being looked at).
+    # counted invalid).
     assert figures["accepted"] > 0 and figures["invalid"] == 0, figures
     # The second epoch at least: every file cached by then, each handed over by the daemon.
     assert figures["fast_path"] >= files, figures

@@ -192,10 +192,11 @@ class Prefetcher:
         with self._cond:
             active = self._active.get(relpath)
             if active is not None and not self._closed:
-                # Fetched for an earlier read already: staged for this one as well.
+                # Being looked at for an earlier hint: staged for this one as well, and
+                # counted as that one ends (accepted, cached, invalid or dropped alike).
                 active.extra_hints += 1
-                result = "accepted"
-            elif relpath in self._queue or len(self._queue) >= MAX_QUEUED_HINTS \
+                return
+            if relpath in self._queue or len(self._queue) >= MAX_QUEUED_HINTS \
                     or self._closed:
                 result = "dropped"
             else:
@@ -301,20 +302,24 @@ class Prefetcher:
             if active is None:
                 self._hints["dropped"].inc()
                 continue
+            result = "dropped"
             try:
-                self._prefetch(relpath, hint.caller)
+                result = self._prefetch(relpath, hint.caller)
             except Exception:
                 log.exception("prefetch of %s failed unexpectedly", relpath)
             finally:
                 with self._cond:
                     self._active.pop(relpath, None)
                     late = active.extra_hints - active.staged_for
+                    hints = 1 + active.extra_hints
+                self._hints[result].inc(hints)
                 if active.staged_version is not None:
                     for _ in range(late):  # hinted again between staging and now
                         self.staging.add_reader(relpath, active.staged_version)
                 active.done.set()
 
-    def _prefetch(self, hinted: str, caller: Caller | None) -> None:
+    def _prefetch(self, hinted: str, caller: Caller | None) -> str:
+        """Act on one hint; what it counts as."""
         # Due or unknown attributes: the directory's listing refreshes this name and its
         # neighbours, whose hints then settle without a round trip each: those queued now
         # right here, those still to come at intake.
@@ -325,24 +330,18 @@ class Prefetcher:
         try:
             relpath, attr = resolve(hinted, self.attrs, self.remote, caller)
         except NotInTree:
-            self._hints["invalid"].inc()
-            return
+            return "invalid"
         except (OSError, CachefsError) as exc:
             code = getattr(exc, "errno", None)
-            self._hints["invalid" if code in _INVALID_ERRNOS else "dropped"].inc()
-            return
+            return "invalid" if code in _INVALID_ERRNOS else "dropped"
         key = relpath_key(relpath)
         if self._cached(key, attr):
-            self._hints["cached"].inc()
-            return
+            return "cached"
         admit = self.store.admitting and self.store.admission.eligible(relpath)
         if not admit and self.staging.add_reader(relpath, attr.version):
-            self._hints["accepted"].inc()  # staged for an earlier hint, not read yet
-            return
+            return "accepted"  # staged for an earlier hint, not read yet
         if not admit and not self.staging.fits(attr.size):
-            self._hints["dropped"].inc()  # too large to hold in memory: read it directly
-            return
-        self._hints["accepted"].inc()
+            return "dropped"  # too large to hold in memory: read it directly
         try:
             if admit:
                 self._fetch_into_cache(relpath, key, attr)
@@ -353,7 +352,7 @@ class Prefetcher:
         except (OSError, CachefsError) as exc:
             self._outcome["failed"].inc()
             log.debug("prefetch of %s failed: %s", relpath, exc)
-            return
+            return "accepted"
         with self._cond:
             active = self._active.get(relpath)
             opened_meanwhile = active is not None and active.opened
@@ -361,6 +360,7 @@ class Prefetcher:
                 self._unused[relpath] = time.monotonic()
         if admit and opened_meanwhile:
             self._outcome["used"].inc()  # (a staged file counts as used when taken)
+        return "accepted"
 
     def _settle_queued_in(self, directory: str) -> None:
         """The directory was just listed: settle the queued hints of its files that memory
