@@ -30,6 +30,8 @@ log = logging.getLogger("cachefs")
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 MOUNT_WAIT_SECONDS = 300.0
+# Set by systemd for ExecStop= and ExecStopPost= commands only.
+SERVICE_RESULT_ENV = "SERVICE_RESULT"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -227,13 +229,11 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
         settings, sources = _resolve_settings(args)
         print(dryrun.report(settings, sources))
         return 0
-    from cachefs.service import upgrade
+    from cachefs.service import fdstore, upgrade
 
     settings = _settings_from_args(args)
-    # Set by `cachefs upgrade`: the running daemon's control socket, to take its mount from.
-    take_over_from = os.environ.pop(upgrade.TAKE_OVER_ENV, None) if args.foreground else None
-    note = preflight.preflight(settings, taking_over=take_over_from is not None)
     if not args.foreground:
+        note = preflight.preflight(settings)
         if note:
             print(f"cachefs: {note}", file=sys.stderr)
         return _mount_in_background(settings, argv)
@@ -241,10 +241,19 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefs.service.supervisor import Supervisor
 
     _configure_logging(settings.log_file, args.debug)
+    # Set by `cachefs upgrade`: the running daemon's control socket, to take its mount from.
+    take_over_from = os.environ.pop(upgrade.TAKE_OVER_ENV, None)
+    # Under systemd: the mount's descriptor systemd kept when the last supervisor died.
+    record = fdstore.record_path(daemon.node_table_base(settings))
+    inherited = fdstore.adopt(str(settings.mountpoint), record)
+    if inherited is not None:
+        take_over_from = None
+        log.info("took the mount of %s over from systemd's file descriptor store (its "
+                 "supervisor %d is gone)", settings.mountpoint, inherited.old_pid)
+    preflight.preflight(settings, taking_over=inherited is not None or take_over_from is not None)
     # The supervisor holds the mount's connection; its children serve it, one after the other.
     ready = os.environ.pop(daemon.READY_FD_ENV, None)
     ready_fd = int(ready) if ready and ready.isdigit() else None
-    inherited = None
     if take_over_from is not None:
         try:
             inherited = upgrade.receive_mount(take_over_from)
@@ -257,7 +266,8 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
                  inherited.old_pid)
     supervisor = Supervisor(str(settings.mountpoint),
                             lambda succession: _serve_mount(settings, succession),
-                            ready_fd=ready_fd, inherited=inherited)
+                            ready_fd=ready_fd, inherited=inherited,
+                            fdstore=fdstore.FdStore(str(settings.mountpoint), record))
     return supervisor.run()
 
 
@@ -358,6 +368,13 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         raise UsageError(f"{mountpoint} is not mounted")
     if entry.fstype != FSTYPE:
         raise UsageError(f"{mountpoint} is a {entry.fstype} mount, not cachefs; use umount")
+    if os.environ.get(SERVICE_RESULT_ENV) and not os.environ.get("MAINPID"):
+        # systemd's ExecStop after the unit's main process died on its own (systemd sets
+        # MAINPID only while it runs): the descriptor store keeps the mount, and the restart
+        # takes it over (service/fdstore.py); unmounting would fail every reader.
+        print(f"cachefs unmount: {mountpoint} left mounted: the daemon's main process is gone "
+              "and the unit's restart takes the mount over", file=sys.stderr)
+        return 0
     pid = supervisor = None
     try:
         st = fetch_status(mountpoint)

@@ -391,6 +391,8 @@ class Daemon:
             "since": self.serving_since,
             "mounted_since": succession.mounted_at if succession else self.started_at,
             "restarts": succession.restarts if succession else 0,
+            # "daemon" (cachefs upgrade, a new pod), "fdstore" (systemd), None (mounted here)
+            "taken_over_from": succession.taken_over_from if succession else None,
             "last_restart_pause_seconds": None if self.restart_pause is None
             else round(self.restart_pause, 4),
             "requests_resent": session.resent_requests if session else 0,
@@ -505,6 +507,8 @@ class Daemon:
             return Reply({"ok": False, "error": "HANDOVER first"})
         log.info("process %d took the mount over; exiting", peer.pid)
         try:
+            if self.succession is not None:
+                self.succession.report_handed_over()
             if self.store is not None:
                 self.store.index.flush()
         finally:

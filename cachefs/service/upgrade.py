@@ -45,7 +45,8 @@ class Handover:
     restarts: int
     mounted_at: float
     old_pid: int
-    gone_at: float  # when the old serving process was gone (time.time())
+    gone_at: float | None  # when the old serving process was gone (time.time()); None: unknown
+    source: str = "daemon"  # from the serving daemon; "fdstore": from systemd (fdstore.py)
 
 
 def running_command(mountpoint: str) -> tuple[list[str], dict]:
