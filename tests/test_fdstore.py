@@ -28,7 +28,7 @@ import pytest
 from cachefs.kernel.mountpoint import find_mount
 from cachefs.service.fdstore import fd_name
 from cachefs.service.process import alive, wait_gone
-from tests.conftest import REPO, CachefsMount, run_cachefs
+from tests.conftest import REPO, CachefsMount, make_files, run_cachefs
 from tests.test_restart import Readers, _dataset, _plan
 
 pytestmark = pytest.mark.timeout(150)
@@ -296,3 +296,47 @@ def test_a_descriptor_that_is_not_the_mounts_is_dropped_in_one_line_and_the_moun
     manager.drain()
     assert manager.store == {}
 
+
+def test_cachefs_upgrade_from_exec_reload_makes_the_new_supervisor_the_main_process(
+        source, manager):
+    small = make_files(source, 60, (4_000, 32_000), seed=9, per_dir=30)
+    mount = manager.mount
+    name = fd_name(mount.path)
+    old_process = manager.start(manager.command)
+    old = _serving(manager)
+    plan = [("read", small), ("mmap", small), ("read", small[:30]), ("read", small[30:])]
+    readers = Readers(mount.path, source, plan, seconds=6)
+    try:
+        time.sleep(1.5)
+        since = len(manager.messages)
+        # ExecReload=cachefs upgrade MOUNTPOINT, in the environment systemd gives it.
+        reload = run_cachefs("upgrade", str(mount.path), timeout=90, env=dict(
+            manager.env(), MAINPID=str(old_process.pid)))
+        manager.drain()  # what systemd has read when the reload command exits
+        results = readers.results(timeout=60)
+    finally:
+        readers.kill()
+    assert reload.returncode == 0, reload.stderr
+    new = mount.status()
+    mount.pid, mount.supervisor_pid = new["pid"], new["supervisor_pid"]
+    assert new["supervisor_pid"] != old["supervisor_pid"]
+    assert new["serving"]["taken_over_from"] == "daemon"
+    mainpids = [(pid, fields["MAINPID"]) for pid, fields, _ in manager.messages[since:]
+                if "MAINPID" in fields]
+    # Sent by the new serving process (NotifyAccess=all), before the reload command ended:
+    # systemd's main process is the new supervisor when it looks again.
+    assert mainpids == [(new["pid"], str(new["supervisor_pid"]))], mainpids
+    assert old_process.wait(30) == 0  # exited, and cleanly: not a failure of the unit
+    # The descriptor stays in the store, once: the old supervisor did not remove it.
+    assert not any("FDSTOREREMOVE" in fields for _pid, fields, _ in manager.messages[since:])
+    assert list(manager.store) == [name] and len(manager.store[name]) == 1
+    assert [r["errors"] for r in results] == [[]] * 4
+    assert sum(r["wrong"] for r in results) == 0
+    longest = max(r["max_wait"] for r in results)
+    print(f"\n{reload.stdout.strip()}; longest reader wait {longest * 1000:.0f} ms")
+
+    since = len(manager.messages)
+    result = run_cachefs("unmount", str(mount.path))
+    assert result.returncode == 0, result.stderr
+    manager.wait_for("FDSTOREREMOVE", "1", since=since)
+    assert manager.store == {} and wait_gone(new["supervisor_pid"], 30)

@@ -299,9 +299,11 @@ class Daemon:
         self.metrics.passthrough_remote.set(1 if self.remote_files.enabled else 0)
         log.info("serving %s at %s; data path: %s", self.settings.backing,
                  self.settings.mountpoint, self.data_path)
-        report_ready()
+        # systemd first: under ExecReload (cachefs upgrade) the new supervisor must be the
+        # unit's main process before `cachefs upgrade`, told by report_ready, exits.
         main_pid = self.succession.supervisor_pid if self.succession else os.getpid()
         sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={main_pid}")
+        report_ready()
         sdnotify.keep_status_current(self.status_line)
 
     def stop(self) -> None:
