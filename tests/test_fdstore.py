@@ -340,3 +340,32 @@ def test_cachefs_upgrade_from_exec_reload_makes_the_new_supervisor_the_main_proc
     assert result.returncode == 0, result.stderr
     manager.wait_for("FDSTOREREMOVE", "1", since=since)
     assert manager.store == {} and wait_gone(new["supervisor_pid"], 30)
+
+
+def test_a_serving_process_that_keeps_dying_at_its_start_ends_the_mount(source, manager):
+    """The crash-loop give-up (supervisor.py): a cache directory that is gone under the running
+    daemon makes every successor fail at its start; after MAX_QUICK_DEATHS of them the mount
+    is detached, systemd drops its descriptor, and the supervisor exits 1 (Restart=on-failure
+    then mounts afresh, or gives up at the unit's start limit)."""
+    from cachefs.service.supervisor import MAX_QUICK_DEATHS
+
+    (source / "a.bin").write_bytes(b"served once\n")
+    mount = manager.mount
+    process = manager.start(manager.command)
+    status = _serving(manager)
+    assert (mount.path / "a.bin").read_bytes() == b"served once\n"
+    mount.cache_dir.rename(mount.cache_dir.with_name("cache.gone"))
+    mount.cache_dir.write_text("not a cache directory\n")
+    os.kill(status["pid"], signal.SIGKILL)
+    assert process.wait(timeout=60) == 1
+    assert find_mount(mount.path) is None
+    manager.wait_for("FDSTOREREMOVE", "1")
+    assert manager.store == {}
+    errors = process.stderr.read().splitlines()
+    assert len(errors) == MAX_QUICK_DEATHS - 1 and "Traceback" not in "".join(errors)
+    assert all(line.startswith(f"cachefs mount: cannot use cache dir {mount.cache_dir}: ")
+               for line in errors), errors  # one line each, saying why
+    log = mount.log_file.read_text()
+    assert log.count("the serving process died (") == MAX_QUICK_DEATHS - 1
+    assert (f"the serving process died {MAX_QUICK_DEATHS} times in a row within 2 s of its "
+            f"start; unmounting {mount.path}") in log
