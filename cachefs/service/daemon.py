@@ -337,6 +337,9 @@ class Daemon:
             "version": __version__,
             "pid": os.getpid(),
             "supervisor_pid": self.succession.supervisor_pid if self.succession else None,
+            # Which container serves the mount (cachefs status --served-here, unmount
+            # --if-served-here): pids are the daemon's own namespace's.
+            "pid_namespace": os.readlink("/proc/self/ns/pid"),
             # What `cachefs upgrade` starts again (service/upgrade.py).
             "command": sys.argv[1:] if self.succession else None,
             "cwd": os.getcwd(),

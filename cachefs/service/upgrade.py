@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from cachefs.control import client
 from cachefs.errors import UsageError
 from cachefs.kernel import takeover
+from cachefs.kernel.mountpoint import FSTYPE, find_mount
 from cachefs.kernel.session import Connection
 from cachefs.service.process import wait_gone
 
@@ -57,6 +58,25 @@ def running_command(mountpoint: str) -> tuple[list[str], dict]:
         raise UsageError(f"the daemon of {mountpoint} (cachefs {status.get('version', '?')}) "
                          "cannot hand its mount over; unmount and mount again instead")
     return list(command), status
+
+
+def serving_daemon(mountpoint: str | os.PathLike, control_path: str) -> str | None:
+    """``control_path`` when a daemon serving ``mountpoint`` answers there (``cachefs mount
+    --take-over``: a new pod takes the mount of the old one); None when there is nothing to
+    take over: no cachefs mount, or a dead daemon's (its stale mount is cleared as usual).
+    The socket is asked, not the mount: a dead daemon's mount would hang the asking."""
+    entry = find_mount(mountpoint)
+    if entry is None or entry.fstype != FSTYPE:
+        return None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(HANDOVER_TIMEOUT_SECONDS)
+            sock.connect(control_path)
+            sock.sendall(b"PING\n")
+            answer = json.loads(sock.makefile("rb").readline() or b"{}")
+    except (OSError, ValueError):
+        return None
+    return control_path if answer.get("ok") else None
 
 
 def receive_mount(control_path: str) -> Handover:
