@@ -28,7 +28,7 @@ import pytest
 from cachefs.kernel.mountpoint import find_mount
 from cachefs.service.fdstore import fd_name
 from cachefs.service.process import alive, wait_gone
-from tests.conftest import REPO, CachefsMount, make_files, run_cachefs
+from tests.conftest import REPO, CachefsMount, make_files, run_cachefs, wait_for
 from tests.test_restart import Readers, _dataset, _plan
 
 pytestmark = pytest.mark.timeout(150)
@@ -371,3 +371,44 @@ def test_a_serving_process_that_keeps_dying_at_its_start_ends_the_mount(source, 
     assert log.count("the serving process died (") == MAX_QUICK_DEATHS - 1
     assert (f"the serving process died {MAX_QUICK_DEATHS} times in a row within 2 s of its "
             f"start; unmounting {mount.path}") in log
+
+
+def _connection_gone(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, 0)
+    return any(events & select.POLLERR for _fd, events in poller.poll(0))
+
+
+def test_a_descriptor_whose_mount_was_unmounted_meanwhile_is_dropped_and_the_mount_made_afresh(
+        source, manager):
+    """The supervisor dies, and someone unmounts the waiting mount before the restart (fusermount
+    -uz): the stored descriptor's connection is gone; the start says so in one line, drops it
+    and mounts again."""
+    (source / "a.bin").write_bytes(b"mounted again\n")
+    mount = manager.mount
+    name = fd_name(mount.path)
+    first_process = manager.start(manager.command)
+    first = _serving(manager)
+    os.kill(first["supervisor_pid"], signal.SIGKILL)
+    os.kill(first["pid"], signal.SIGKILL)
+    assert first_process.wait(30) == -signal.SIGKILL and wait_gone(first["pid"], 10)
+    assert run_cachefs("unmount", "--lazy", str(mount.path)).returncode == 0
+    [stored] = manager.store[name]
+    wait_for(lambda: _connection_gone(stored), timeout=10, what="the connection aborted")
+
+    since = len(manager.messages)
+    second_process = manager.start(manager.command)
+    assert manager.wait_for("FDSTOREREMOVE", "1", since=since)[1]["FDNAME"] == name
+    second = _serving(manager, since)
+    assert second["supervisor_pid"] == second_process.pid
+    assert second["serving"]["taken_over_from"] is None
+    assert (mount.path / "a.bin").read_bytes() == b"mounted again\n"
+    warnings = [line for line in mount.log_file.read_text().splitlines()
+                if "descriptor systemd kept" in line]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        f"the descriptor systemd kept for {mount.path} cannot serve it (its connection is "
+        "gone); mounting afresh"), warnings
+    [fresh] = manager.store[name]
+    assert not _connection_gone(fresh)
+    assert run_cachefs("unmount", str(mount.path)).returncode == 0
+    assert second_process.wait(30) == 0

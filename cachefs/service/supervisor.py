@@ -147,14 +147,13 @@ class Supervisor:
                     self._mount_ended()
                     return 1
                 self._restarts += 1
-                restarts = self._restarts
                 if self._fdstore is not None:
-                    self._fdstore.update(restarts)
+                    self._fdstore.update(self._restarts)
                 if quick > 1:
                     time.sleep(min(MAX_RESTART_DELAY_SECONDS,
                                    RESTART_DELAY_SECONDS * 2 ** (quick - 2)))
                 log.warning("the serving process died (%s); restart %d on the same "
-                            "connection", _exit_text(code), restarts)
+                            "connection", _exit_text(code), self._restarts)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
