@@ -70,6 +70,7 @@ class FdStore:
         self.record = record
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
         self.kept = False
+        self._fields: dict | None = None  # the record but the restarts, once the mount serves
 
     def keep(self, fd: int, connection: Connection, mounted_at: float, restarts: int) -> None:
         """Write what a successor needs, then give systemd the descriptor (once: it is the same
@@ -88,7 +89,7 @@ class FdStore:
 
     def update(self, restarts: int) -> None:
         """Rewrite the record with the restarts so far (a successor counts on from them)."""
-        if not self.enabled or not hasattr(self, "_fields"):
+        if not self.enabled or self._fields is None:
             return
         temporary = self.record.with_name(self.record.name + ".tmp")
         try:
