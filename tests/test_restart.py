@@ -589,3 +589,65 @@ def test_a_new_pod_takes_the_mount_from_the_old_one_and_the_old_one_lets_go(
             if pod.poll() is None:
                 pod.kill()
             pod.wait(30)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def test_a_new_pod_in_a_pid_namespace_of_its_own_takes_the_mount_over(source, remote, tmp_path):
+    """Pods are containers with PID namespaces of their own, siblings: the new pod's daemon sees
+    no pid for the old pod's serving process (SO_PEERCRED says 0) and waits for the end of its
+    control connection instead; the old one's own pid, which names another process here or
+    none, is not waited for."""
+    small = make_files(source, 40, (4_000, 32_000), seed=12, per_dir=20)
+    mount = CachefsMount(remote.path, tmp_path / "mnt", tmp_path / "cache", tmp_path / "mnt.log",
+                         {"cache_size": "1G", "metrics_addr": "127.0.0.1:0", "fraction": 0.5,
+                          "take_over": True})
+    mount.path.mkdir()
+    command = ["unshare", "--pid", "--fork", sys.executable, "-m", "cachefs", *mount.command(),
+               "--foreground"]
+    pods: list[subprocess.Popen] = []
+    own_namespace = os.readlink("/proc/self/ns/pid")
+    try:
+        pods.append(subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True))
+        old = wait_for(lambda: _status_or_none(mount), timeout=60, what="the old pod serving")
+        assert old["supervisor_pid"] == 1 and old["pid_namespace"] != own_namespace
+        shuffled_read_all(mount.path, small, seed=1)
+        readers = Readers(mount.path, source, [("read", small), ("mmap", small)], seconds=5)
+        try:
+            time.sleep(1.0)
+            pods.append(subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, text=True))
+            new = wait_for(lambda: (st := _status_or_none(mount)) and
+                           st["pid_namespace"] not in (old["pid_namespace"], own_namespace)
+                           and st, timeout=60, what="the new pod serving")
+            results = readers.results(timeout=60)
+        finally:
+            readers.kill()
+        assert new["serving"]["taken_over_from"] == "daemon"
+        assert [r["errors"] for r in results] == [[]] * 2
+        assert sum(r["wrong"] for r in results) == 0
+        assert "did not exit" not in mount.log_file.read_text()
+        [old_supervisor] = _children(pods[0].pid)  # the old pod's PID 1, as seen here
+        assert pods[0].poll() is None  # waiting to be stopped
+        os.kill(old_supervisor, signal.SIGTERM)
+        assert pods[0].wait(30) == 0
+        assert (mount.path / small[0]).read_bytes() == (source / small[0]).read_bytes()
+        result = run_cachefs("unmount", str(mount.path))
+        assert result.returncode == 0, result.stderr
+        assert pods[1].wait(30) == 0
+    except BaseException:
+        sys.stderr.write(f"\n--- cachefs log ---\n{mount.log_tail()}\n")
+        raise
+    finally:
+        if find_mount(mount.path) is not None:
+            run_cachefs("unmount", "--lazy", str(mount.path))
+        for pod in pods:
+            if pod.poll() is None:
+                for child in _children(pod.pid):
+                    os.kill(child, signal.SIGKILL)
+                pod.kill()
+            pod.wait(30)

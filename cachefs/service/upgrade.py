@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ def receive_mount(control_path: str) -> Handover:
     try:
         try:
             sock.connect(control_path)
+            visible_pid = _peer_pid(sock)
             sock.sendall(b"HANDOVER\n")
             line, fds = _reply(sock)
         except OSError as exc:
@@ -107,12 +109,22 @@ def receive_mount(control_path: str) -> Handover:
             pass
     finally:
         sock.close()
-    old_pid = int(reply["pid"])
-    if not wait_gone(old_pid, HANDOVER_TIMEOUT_SECONDS):
+    old_pid = int(reply["pid"])  # as its own PID namespace numbers it
+    # Waited for by the pid this namespace sees: in another container's namespace (a pod of a
+    # rolling update) its own pid names some other process here, or none, and the kernel says
+    # 0; the end of file above, at its exit, is then all there is to wait for.
+    if visible_pid and not wait_gone(visible_pid, HANDOVER_TIMEOUT_SECONDS):
         raise UsageError(f"the old serving process {old_pid} did not exit")
     return Handover(fd, takeover.connection_from_text(connection) if connection else None,
                     int(reply.get("restarts", 0)), float(reply.get("mounted_at", time.time())),
                     old_pid, time.time())
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The pid of the process that listens at the other end of ``sock``, as this process's PID
+    namespace numbers it; 0 where it cannot see that process."""
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[0]
 
 
 def _reply(sock: socket.socket) -> tuple[bytes, list[int]]:
