@@ -110,7 +110,9 @@ class Daemon:
         self.serving_since: float | None = None  # when this process started serving
         self.restart_pause: float | None = None  # death of the predecessor to serving here
         self.session: Session | None = None
-        self._handing_to = 0  # the process HANDOVER gave the mount to
+        # The process HANDOVER gave the mount to; 0 when it is in a PID namespace this one
+        # cannot see (another pod's), hence None for "nobody yet".
+        self._handing_to: int | None = None
         self._mount_text = str(settings.mountpoint)  # what request paths are relative to
         self.started_at = time.time()
         self.metrics = Metrics()
@@ -508,7 +510,7 @@ class Daemon:
         """Exit at once for the daemon that took the descriptor: as a killed one would
         (nothing unmounted, the tables left for it, the requests in flight resent to it), with
         the index's pending writes committed and its supervisor exiting with it."""
-        if self._handing_to != peer.pid:
+        if self._handing_to is None or self._handing_to != peer.pid:
             return Reply({"ok": False, "error": "HANDOVER first"})
         log.info("process %d took the mount over; exiting", peer.pid)
         try:
