@@ -399,10 +399,12 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     except UsageError:
         pass  # a dead or hung daemon: unmounting is all there is to do
     else:
-        if args.if_served_here and not _served_here(st):
-            print(f"cachefs unmount: {mountpoint} left mounted: another container's daemon "
-                  "serves it now", file=sys.stderr)
-            return 0
+        if not _served_here(st):
+            if args.if_served_here:
+                print(f"cachefs unmount: {mountpoint} left mounted: another container's daemon "
+                      "serves it now", file=sys.stderr)
+                return 0
+            pid = supervisor = None  # its pids name other processes here, or none
     result = unmount(mountpoint, lazy=args.lazy)
     if result.returncode != 0:
         reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
