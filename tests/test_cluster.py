@@ -443,3 +443,63 @@ def test_a_weak_secret_is_refused(tmp_path, source, content, mode, message):
                          str(tmp_path / "log"))
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert find_mount(tmp_path / "mnt") is None
+
+
+def test_kill_9_of_a_serving_process_during_peer_fetches_serves_nothing_wrong(
+        start_cluster, remote, source):
+    """The owner's serving process killed while it reads the remote for a peer, then the asking
+    node's while it reads from the owner: the supervisors restart them (tests/test_restart.py);
+    the readers on the asking node see every byte the remote's, and neither cache indexes a
+    partial file."""
+    import random
+    import signal
+
+    from cachefs.peer import ring
+    from tests.test_restart import Readers, _kill_serving
+
+    rng = random.Random(21)
+    paths = []
+    for number in range(8):
+        rel = f"shards/s{number:02d}.bin"
+        (source / rel).parent.mkdir(exist_ok=True)
+        (source / rel).write_bytes(rng.randbytes(3 * 2**20 + number))
+        paths.append(rel)
+    listen = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    asker, owner = start_cluster("kill", nodes=2, listen=listen, cache_size="64M",
+                                 peer_timeout=5)
+    theirs = [rel for rel in paths if ring.owner(listen, rel) == listen[1]]
+    ours = [rel for rel in paths if rel not in theirs]
+    assert theirs and ours, theirs
+    remote.configure(bandwidth_mbps=2)  # a file of 3 MiB takes the owner a second and more
+    plan = [("read", theirs), ("read", theirs), ("read", theirs), ("read", ours)]
+    readers = Readers(asker.path, source, plan, seconds=10)
+    try:
+        wait_for(lambda: owner.metric("cachefs_remote_read_bytes_total") > 0, timeout=30,
+                 interval=0.05, what="the owner reading the remote for its peer")
+        owner_status = _kill_serving(owner)
+        wait_for(lambda: asker.metric("cachefs_peer_fetches_total", result="ok") > 0,
+                 timeout=30, interval=0.05, what="the asking node reading from the owner")
+        os.kill(asker.pid, signal.SIGKILL)  # mid-way through its reads from the owner
+        wait_for(lambda: (status := asker.refresh())["serving"]["restarts"] == 1 and status,
+                 timeout=30, what="the asking node serving again")
+        results = readers.results(timeout=120)
+    finally:
+        readers.kill()
+    remote.configure(bandwidth_mbps=0)
+    assert owner_status["serving"]["restarts"] == 1
+    assert [r["errors"] for r in results] == [[]] * 4
+    assert sum(r["wrong"] for r in results) == 0
+    assert all(r["reads"] > 0 for r in results)
+    # Read once more, now that both serve: still the remote's bytes.
+    expected = remote_digests(source, paths)
+    assert {rel: xxhash.xxh3_64_hexdigest((asker.path / rel).read_bytes())
+            for rel in paths} == expected
+    for mount in (asker, owner):
+        wait_for(lambda m=mount: (st := m.status())["reconciling"] is False
+                 and st["fills"]["under_way"] == 0, what=f"{mount.path.name} settled")
+    assert owner.status()["cache_files"] <= len(theirs)
+    assert asker.status()["cache_files"] <= len(ours)
+    for mount in (asker, owner):
+        mount.stop()
+        verify = run_cachefs("verify", "--cache-dir", str(mount.cache_dir), timeout=60)
+        assert verify.returncode == 0, verify.stdout + verify.stderr

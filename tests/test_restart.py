@@ -27,7 +27,14 @@ from cachefs.kernel.mountpoint import find_mount
 from cachefs.mirror import handles as h
 from cachefs.mirror.handles import HandleTable
 from cachefs.service.process import alive, wait_gone
-from tests.conftest import REPO, make_files, run_cachefs, shuffled_read_all, wait_for
+from tests.conftest import (
+    REPO,
+    CachefsMount,
+    make_files,
+    run_cachefs,
+    shuffled_read_all,
+    wait_for,
+)
 from tests.test_security import as_nobody
 
 pytestmark = pytest.mark.timeout(150)
@@ -487,3 +494,160 @@ def test_only_the_daemons_user_may_take_its_mount(source, remote, mount_cachefs)
                                 "error": "only the daemon's own user may take its mount over"}
     assert count == "0"
     assert (mount.path / "a.bin").read_bytes() == b"a"  # still serving, nothing handed
+
+
+# -- a rolling update's new pod (cachefs mount --take-over) -------------------------------------
+
+def _status_or_none(mount) -> dict | None:
+    try:
+        return mount.status()
+    except RuntimeError:
+        return None
+
+
+def _in_another_pid_namespace(*args: str) -> subprocess.CompletedProcess:
+    """The cachefs CLI run as from another container: in a PID namespace of its own."""
+    return subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-m", "cachefs",
+                           *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_a_new_pod_takes_the_mount_from_the_old_one_and_the_old_one_lets_go(
+        source, remote, tmp_path):
+    """deploy/kubernetes/daemonset.yaml's rolling update on one machine: a second `cachefs mount
+    --foreground --take-over` of the same settings takes the mount from the running one (as
+    cachefs upgrade's new daemon does), which then waits, holding nothing, until it is stopped,
+    so that its container is not started again; each pod's probe and preStop tell their own
+    daemon from the other's by its PID namespace."""
+    small = make_files(source, 60, (4_000, 32_000), seed=11, per_dir=30)
+    mount = CachefsMount(remote.path, tmp_path / "mnt", tmp_path / "cache", tmp_path / "mnt.log",
+                         {"cache_size": "1G", "metrics_addr": "127.0.0.1:0", "fraction": 0.5,
+                          "take_over": True})
+    mount.path.mkdir()
+    command = [sys.executable, "-m", "cachefs", *mount.command(), "--foreground"]
+    pods: list[subprocess.Popen] = []
+
+    def start_pod() -> subprocess.Popen:
+        pods.append(subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True))
+        return pods[-1]
+
+    try:
+        old_pod = start_pod()  # nothing to take over: it mounts
+        old = wait_for(lambda: _status_or_none(mount), timeout=60, what="the old pod serving")
+        assert old["supervisor_pid"] == old_pod.pid
+        assert old["serving"]["taken_over_from"] is None
+        shuffled_read_all(mount.path, small, seed=1)
+        plan = [("read", small), ("mmap", small), ("read", small[:30]), ("read", small[30:])]
+        readers = Readers(mount.path, source, plan, seconds=6)
+        try:
+            time.sleep(1.5)
+            new_pod = start_pod()
+            new = wait_for(lambda: (st := _status_or_none(mount)) and
+                           st["supervisor_pid"] == new_pod.pid and st, timeout=60,
+                           what="the new pod serving")
+            results = readers.results(timeout=60)
+        finally:
+            readers.kill()
+        mount.pid, mount.supervisor_pid = new["pid"], new["supervisor_pid"]
+        assert new["serving"]["taken_over_from"] == "daemon"
+        assert wait_gone(old["pid"], 10)
+        assert old_pod.poll() is None  # the old pod's supervisor waits to be stopped
+        assert [r["errors"] for r in results] == [[]] * 4
+        assert sum(r["wrong"] for r in results) == 0
+        longest = max(r["max_wait"] for r in results)
+        print(f"\nthe new pod took the mount over: longest reader wait {longest * 1000:.0f} ms")
+
+        # The new pod's startup probe passes here and fails from another container.
+        assert run_cachefs("status", "--served-here", str(mount.path)).returncode == 0
+        elsewhere = _in_another_pid_namespace("status", "--served-here", str(mount.path))
+        assert elsewhere.returncode == 1
+        assert elsewhere.stderr.startswith(
+            f"cachefs status: {mount.path} is served by a daemon in another PID namespace")
+        # The old pod is deleted: its preStop leaves the new pod's mount, SIGTERM ends it.
+        prestop = _in_another_pid_namespace("unmount", "--if-served-here", str(mount.path))
+        assert prestop.returncode == 0, prestop.stderr
+        assert prestop.stderr.strip() == (f"cachefs unmount: {mount.path} left mounted: another "
+                                          "container's daemon serves it now")
+        old_pod.send_signal(signal.SIGTERM)
+        assert old_pod.wait(30) == 0
+        assert (mount.path / small[0]).read_bytes() == (source / small[0]).read_bytes()
+        assert mount.status()["supervisor_pid"] == new_pod.pid
+
+        # The new pod's own preStop unmounts, and it exits.
+        result = run_cachefs("unmount", "--if-served-here", str(mount.path))
+        assert result.returncode == 0, result.stderr
+        assert find_mount(mount.path) is None
+        assert new_pod.wait(30) == 0
+    except BaseException:
+        sys.stderr.write(f"\n--- cachefs log ---\n{mount.log_tail()}\n")
+        raise
+    finally:
+        if find_mount(mount.path) is not None:
+            run_cachefs("unmount", "--lazy", str(mount.path))
+        for pod in pods:
+            if pod.poll() is None:
+                pod.kill()
+            pod.wait(30)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def test_a_new_pod_in_a_pid_namespace_of_its_own_takes_the_mount_over(source, remote, tmp_path):
+    """Pods are containers with PID namespaces of their own, siblings: the new pod's daemon sees
+    no pid for the old pod's serving process (SO_PEERCRED says 0) and waits for the end of its
+    control connection instead; the old one's own pid, which names another process here or
+    none, is not waited for."""
+    small = make_files(source, 40, (4_000, 32_000), seed=12, per_dir=20)
+    mount = CachefsMount(remote.path, tmp_path / "mnt", tmp_path / "cache", tmp_path / "mnt.log",
+                         {"cache_size": "1G", "metrics_addr": "127.0.0.1:0", "fraction": 0.5,
+                          "take_over": True})
+    mount.path.mkdir()
+    command = ["unshare", "--pid", "--fork", sys.executable, "-m", "cachefs", *mount.command(),
+               "--foreground"]
+    pods: list[subprocess.Popen] = []
+    own_namespace = os.readlink("/proc/self/ns/pid")
+    try:
+        pods.append(subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True))
+        old = wait_for(lambda: _status_or_none(mount), timeout=60, what="the old pod serving")
+        assert old["supervisor_pid"] == 1 and old["pid_namespace"] != own_namespace
+        shuffled_read_all(mount.path, small, seed=1)
+        readers = Readers(mount.path, source, [("read", small), ("mmap", small)], seconds=5)
+        try:
+            time.sleep(1.0)
+            pods.append(subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, text=True))
+            new = wait_for(lambda: (st := _status_or_none(mount)) and
+                           st["pid_namespace"] not in (old["pid_namespace"], own_namespace)
+                           and st, timeout=60, what="the new pod serving")
+            results = readers.results(timeout=60)
+        finally:
+            readers.kill()
+        assert new["serving"]["taken_over_from"] == "daemon"
+        assert [r["errors"] for r in results] == [[]] * 2
+        assert sum(r["wrong"] for r in results) == 0
+        assert "did not exit" not in mount.log_file.read_text()
+        [old_supervisor] = _children(pods[0].pid)  # the old pod's PID 1, as seen here
+        assert pods[0].poll() is None  # waiting to be stopped
+        os.kill(old_supervisor, signal.SIGTERM)
+        assert pods[0].wait(30) == 0
+        assert (mount.path / small[0]).read_bytes() == (source / small[0]).read_bytes()
+        result = run_cachefs("unmount", str(mount.path))
+        assert result.returncode == 0, result.stderr
+        assert pods[1].wait(30) == 0
+    except BaseException:
+        sys.stderr.write(f"\n--- cachefs log ---\n{mount.log_tail()}\n")
+        raise
+    finally:
+        if find_mount(mount.path) is not None:
+            run_cachefs("unmount", "--lazy", str(mount.path))
+        for pod in pods:
+            if pod.poll() is None:
+                for child in _children(pod.pid):
+                    os.kill(child, signal.SIGKILL)
+                pod.kill()
+            pod.wait(30)

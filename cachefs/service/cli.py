@@ -30,6 +30,8 @@ log = logging.getLogger("cachefs")
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 MOUNT_WAIT_SECONDS = 300.0
+# Set by systemd for ExecStop= and ExecStopPost= commands only.
+SERVICE_RESULT_ENV = "SERVICE_RESULT"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,6 +86,11 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         "remote (default 2)")
     parser.add_argument("--foreground", action="store_true",
                         help="stay attached and log to stderr (for systemd)")
+    parser.add_argument("--take-over", action="store_true",
+                        help="take the mount from the cachefs daemon serving MOUNTPOINT, if one "
+                        "does, without unmounting (a new pod of a rolling update); once this "
+                        "daemon hands the mount on in turn, wait to be stopped instead of "
+                        "exiting, so that its container is not started again")
     parser.add_argument("--config", help="TOML file with these settings; flags override it")
     parser.add_argument("--log-file", help="log here (default in /var/log/cachefs or "
                         "~/.local/state/cachefs when not in the foreground)")
@@ -99,6 +106,8 @@ NOT_FOR_FSTAB = {
     "foreground": "mount(8) waits for the helper to return, which a daemon in the foreground "
                   "never does; systemd units run 'cachefs mount --foreground' instead",
     "dry_run": "run 'cachefs mount --dry-run' with the same settings instead",
+    "take_over": "it is for a container's entrypoint (deploy/kubernetes); on a host, hand a "
+                 "mount to a new daemon with 'cachefs upgrade'",
 }
 
 
@@ -120,12 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     unmount.add_argument("mountpoint")
     unmount.add_argument("--lazy", action="store_true",
                          help="detach now even if files are open (fusermount -uz)")
+    unmount.add_argument("--if-served-here", action="store_true",
+                         help="leave the mount be when the daemon serving it runs in another PID "
+                         "namespace (a pod's preStop: a newer pod took the mount over)")
 
     status = commands.add_parser("status", help="hit ratio, cache use and traffic of a mount")
     status.add_argument("mountpoint")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until interrupted")
+    status.add_argument("--served-here", action="store_true",
+                        help="fail unless the daemon serving the mount runs in this PID "
+                        "namespace (a pod's startup probe: this pod took the mount over)")
 
     warm = commands.add_parser("warm", help="fill the cache from a list of paths")
     warm.add_argument("mountpoint")
@@ -227,13 +242,11 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
         settings, sources = _resolve_settings(args)
         print(dryrun.report(settings, sources))
         return 0
-    from cachefs.service import upgrade
+    from cachefs.service import fdstore, upgrade
 
     settings = _settings_from_args(args)
-    # Set by `cachefs upgrade`: the running daemon's control socket, to take its mount from.
-    take_over_from = os.environ.pop(upgrade.TAKE_OVER_ENV, None) if args.foreground else None
-    note = preflight.preflight(settings, taking_over=take_over_from is not None)
     if not args.foreground:
+        note = preflight.preflight(settings)
         if note:
             print(f"cachefs: {note}", file=sys.stderr)
         return _mount_in_background(settings, argv)
@@ -241,10 +254,22 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefs.service.supervisor import Supervisor
 
     _configure_logging(settings.log_file, args.debug)
+    # Set by `cachefs upgrade`: the running daemon's control socket, to take its mount from.
+    take_over_from = os.environ.pop(upgrade.TAKE_OVER_ENV, None)
+    # Under systemd: the mount's descriptor systemd kept when the last supervisor died.
+    record = fdstore.record_path(daemon.node_table_base(settings))
+    inherited = fdstore.adopt(str(settings.mountpoint), record)
+    if inherited is not None:
+        take_over_from = None
+        log.info("took the mount of %s over from systemd's file descriptor store (its "
+                 "supervisor %d is gone)", settings.mountpoint, inherited.old_pid)
+    elif take_over_from is None and args.take_over:
+        take_over_from = upgrade.serving_daemon(settings.mountpoint,
+                                                str(daemon.socket_path(settings)))
+    preflight.preflight(settings, taking_over=inherited is not None or take_over_from is not None)
     # The supervisor holds the mount's connection; its children serve it, one after the other.
     ready = os.environ.pop(daemon.READY_FD_ENV, None)
     ready_fd = int(ready) if ready and ready.isdigit() else None
-    inherited = None
     if take_over_from is not None:
         try:
             inherited = upgrade.receive_mount(take_over_from)
@@ -257,7 +282,9 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
                  inherited.old_pid)
     supervisor = Supervisor(str(settings.mountpoint),
                             lambda succession: _serve_mount(settings, succession),
-                            ready_fd=ready_fd, inherited=inherited)
+                            ready_fd=ready_fd, inherited=inherited,
+                            fdstore=fdstore.FdStore(str(settings.mountpoint), record),
+                            linger=args.take_over)
     return supervisor.run()
 
 
@@ -358,12 +385,26 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         raise UsageError(f"{mountpoint} is not mounted")
     if entry.fstype != FSTYPE:
         raise UsageError(f"{mountpoint} is a {entry.fstype} mount, not cachefs; use umount")
+    if os.environ.get(SERVICE_RESULT_ENV) and not os.environ.get("MAINPID"):
+        # systemd's ExecStop after the unit's main process died on its own (systemd sets
+        # MAINPID only while it runs): the descriptor store keeps the mount, and the restart
+        # takes it over (service/fdstore.py); unmounting would fail every reader.
+        print(f"cachefs unmount: {mountpoint} left mounted: the daemon's main process is gone "
+              "and the unit's restart takes the mount over", file=sys.stderr)
+        return 0
     pid = supervisor = None
     try:
         st = fetch_status(mountpoint)
         pid, supervisor = st.get("pid"), st.get("supervisor_pid")
     except UsageError:
         pass  # a dead or hung daemon: unmounting is all there is to do
+    else:
+        if not _served_here(st):
+            if args.if_served_here:
+                print(f"cachefs unmount: {mountpoint} left mounted: another container's daemon "
+                      "serves it now", file=sys.stderr)
+                return 0
+            pid = supervisor = None  # its pids name other processes here, or none
     result = unmount(mountpoint, lazy=args.lazy)
     if result.returncode != 0:
         reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
@@ -434,8 +475,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.watch:
         return watch(lambda: fetch_status(args.mountpoint), args.watch)
     st = fetch_status(args.mountpoint)
+    if args.served_here and not _served_here(st):
+        raise UsageError(f"{os.path.abspath(args.mountpoint)} is served by a daemon in another "
+                         f"PID namespace ({st.get('pid_namespace') or 'an older cachefs'})")
     print(json.dumps(st, indent=2, sort_keys=True) if args.json else format_status(st))
     return 0
+
+
+def _served_here(status: dict) -> bool:
+    """Whether the daemon that gave ``status`` runs in this process's PID namespace: in this
+    container, not in the pod of a rolling update that took the mount over or handed it on.
+    A daemon too old to say counts as here (what every daemon was before)."""
+    theirs = status.get("pid_namespace")
+    return theirs is None or theirs == os.readlink("/proc/self/ns/pid")
 
 
 def cmd_warm(args: argparse.Namespace) -> int:

@@ -110,7 +110,9 @@ class Daemon:
         self.serving_since: float | None = None  # when this process started serving
         self.restart_pause: float | None = None  # death of the predecessor to serving here
         self.session: Session | None = None
-        self._handing_to = 0  # the process HANDOVER gave the mount to
+        # The process HANDOVER gave the mount to; 0 when it is in a PID namespace this one
+        # cannot see (another pod's), hence None for "nobody yet".
+        self._handing_to: int | None = None
         self._mount_text = str(settings.mountpoint)  # what request paths are relative to
         self.started_at = time.time()
         self.metrics = Metrics()
@@ -299,9 +301,11 @@ class Daemon:
         self.metrics.passthrough_remote.set(1 if self.remote_files.enabled else 0)
         log.info("serving %s at %s; data path: %s", self.settings.backing,
                  self.settings.mountpoint, self.data_path)
-        report_ready()
+        # systemd first: under ExecReload (cachefs upgrade) the new supervisor must be the
+        # unit's main process before `cachefs upgrade`, told by report_ready, exits.
         main_pid = self.succession.supervisor_pid if self.succession else os.getpid()
         sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={main_pid}")
+        report_ready()
         sdnotify.keep_status_current(self.status_line)
 
     def stop(self) -> None:
@@ -335,6 +339,9 @@ class Daemon:
             "version": __version__,
             "pid": os.getpid(),
             "supervisor_pid": self.succession.supervisor_pid if self.succession else None,
+            # Which container serves the mount (cachefs status --served-here, unmount
+            # --if-served-here): pids are the daemon's own namespace's.
+            "pid_namespace": os.readlink("/proc/self/ns/pid"),
             # What `cachefs upgrade` starts again (service/upgrade.py).
             "command": sys.argv[1:] if self.succession else None,
             "cwd": os.getcwd(),
@@ -391,6 +398,8 @@ class Daemon:
             "since": self.serving_since,
             "mounted_since": succession.mounted_at if succession else self.started_at,
             "restarts": succession.restarts if succession else 0,
+            # "daemon" (cachefs upgrade, a new pod), "fdstore" (systemd), None (mounted here)
+            "taken_over_from": succession.taken_over_from if succession else None,
             "last_restart_pause_seconds": None if self.restart_pause is None
             else round(self.restart_pause, 4),
             "requests_resent": session.resent_requests if session else 0,
@@ -501,10 +510,12 @@ class Daemon:
         """Exit at once for the daemon that took the descriptor: as a killed one would
         (nothing unmounted, the tables left for it, the requests in flight resent to it), with
         the index's pending writes committed and its supervisor exiting with it."""
-        if self._handing_to != peer.pid:
+        if self._handing_to is None or self._handing_to != peer.pid:
             return Reply({"ok": False, "error": "HANDOVER first"})
         log.info("process %d took the mount over; exiting", peer.pid)
         try:
+            if self.succession is not None:
+                self.succession.report_handed_over()
             if self.store is not None:
                 self.store.index.flush()
         finally:

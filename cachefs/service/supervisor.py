@@ -16,8 +16,14 @@ delay, and after ``MAX_QUICK_DEATHS`` the mount is detached and the supervisor e
 
 SIGTERM, SIGINT, SIGHUP: the mount is detached (lazily, as the daemon itself does); the child
 then sees the end of the session and exits.  The child dies with the supervisor
-(PR_SET_PDEATHSIG): a killed supervisor is a killed daemon, whose stale mount the next start
-clears, as before.
+(PR_SET_PDEATHSIG).  A killed supervisor is a killed daemon, whose stale mount the next start
+clears, unless systemd keeps the descriptor (service/fdstore.py): then the mount lives on, its
+readers waiting, and the next start of the unit takes it over.
+
+A child that handed the mount to another daemon (``cachefs upgrade``, a new pod) says so before
+it exits: the supervisor then exits without unmounting and leaves systemd's entry to the new
+one, or, with ``linger``, waits holding nothing until it is stopped (a container whose exit
+would be restarted, and would take the mount back).
 
 The supervisor stays single-threaded (it forks), does no I/O on the mount and imports what
 the child needs before the first fork, so that a restart costs the child's start only.
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 from cachefs.kernel import mount as kmount
 from cachefs.kernel import takeover
 from cachefs.kernel.session import Connection
+from cachefs.service.fdstore import FdStore
 from cachefs.service.upgrade import Handover
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,7 @@ class Succession:
     restarts: int = 0
     died_at: float | None = None  # when the previous child died (time.time())
     mounted_at: float = 0.0  # when the supervisor started (time.time())
+    taken_over_from: str | None = None  # how the supervisor got the mount (Handover.source)
 
     def report_descriptor(self, fd: int) -> None:
         if self.channel is not None:
@@ -72,13 +80,22 @@ class Succession:
         if self.channel is not None:
             self.channel.send(b"CONNECTION " + takeover.connection_text(connection).encode())
 
+    def report_handed_over(self) -> None:
+        """The mount is another daemon's from now on: not to be unmounted, nor dropped from
+        systemd's store, when this child exits."""
+        if self.channel is not None:
+            self.channel.send(b"HANDED")
+
 
 class Supervisor:
     """Runs serving children one after the other on one mount.  Build, then :meth:`run`."""
 
     def __init__(self, mountpoint: str, serve: Callable[[Succession], int],
-                 ready_fd: int | None = None, inherited: Handover | None = None) -> None:
-        """``inherited``: a mount handed over by the daemon that served it (upgrade.py)."""
+                 ready_fd: int | None = None, inherited: Handover | None = None,
+                 fdstore: FdStore | None = None, linger: bool = False) -> None:
+        """``inherited``: a mount handed over by the daemon that served it (upgrade.py) or by
+        systemd (fdstore.py); ``fdstore``: systemd's entry of the mount, kept while it lives;
+        ``linger``: after handing the mount over, wait to be stopped instead of exiting."""
         self.mountpoint = mountpoint
         self._serve = serve
         self._ready_fd = ready_fd  # the first child reports readiness through it
@@ -86,13 +103,18 @@ class Supervisor:
         self._connection: Connection | None = None
         self._child = 0
         self._stopping = False
+        self._handed_over = False
+        self._linger = linger
+        self._fdstore = fdstore
         self._started_at = time.time()
         self._restarts = 0
         self._died_at: float | None = None
+        self._taken_over_from: str | None = None
         if inherited is not None:
             self._fd, self._connection = inherited.fd, inherited.connection
             self._restarts, self._died_at = inherited.restarts, inherited.gone_at
             self._started_at = inherited.mounted_at
+            self._taken_over_from = inherited.source
 
     def run(self) -> int:
         wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -100,14 +122,19 @@ class Supervisor:
         handlers = {sig: signal.signal(sig, self._on_stop)
                     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda *_: None)
-        restarts, quick, died_at = self._restarts, 0, self._died_at
+        quick, died_at = 0, self._died_at
+        if self._fd is not None and self._connection is not None:
+            self._keep()  # inherited: systemd's entry, if any, is the same connection
         try:
             while True:
                 started = time.monotonic()
                 code = self._run_child(Succession(os.getpid(), None, self._fd, self._connection,
-                                                  restarts, died_at, self._started_at),
-                                       wake_read)
+                                                  self._restarts, died_at, self._started_at,
+                                                  self._taken_over_from), wake_read)
+                if self._handed_over:
+                    return self._let_go(wake_read)
                 if code == 0 or self._stopping:
+                    self._mount_ended()
                     return 0 if self._fd is not None or self._stopping else code
                 if self._fd is None:
                     return code  # never mounted: the child said why
@@ -117,13 +144,16 @@ class Supervisor:
                     log.error("the serving process died %d times in a row within %g s of "
                               "its start; unmounting %s", quick, QUICK_SECONDS, self.mountpoint)
                     kmount.unmount(self.mountpoint)
+                    self._mount_ended()
                     return 1
-                restarts += 1
+                self._restarts += 1
+                if self._fdstore is not None:
+                    self._fdstore.update(self._restarts)
                 if quick > 1:
                     time.sleep(min(MAX_RESTART_DELAY_SECONDS,
                                    RESTART_DELAY_SECONDS * 2 ** (quick - 2)))
                 log.warning("the serving process died (%s); restart %d on the same "
-                            "connection", _exit_text(code), restarts)
+                            "connection", _exit_text(code), self._restarts)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
@@ -132,6 +162,33 @@ class Supervisor:
             os.close(wake_write)
             if self._fd is not None:
                 os.close(self._fd)
+
+    def _keep(self) -> None:
+        """The mount serves: systemd may keep its descriptor (fdstore.py)."""
+        if self._fdstore is not None and not self._fdstore.kept and self._fd is not None:
+            self._fdstore.keep(self._fd, self._connection, self._started_at, self._restarts)
+
+    def _mount_ended(self) -> None:
+        if self._fdstore is not None:
+            self._fdstore.drop()
+
+    def _let_go(self, wake_read: int) -> int:
+        """The child handed the mount to another daemon and exited: let go of the descriptor
+        without unmounting, and of systemd's entry without removing it (the new daemon's now).
+        With ``linger``, wait for a stop signal, holding nothing."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        log.info("the mount of %s is another daemon's now", self.mountpoint)
+        if not self._linger:
+            return 0
+        while not self._stopping:  # a signal writes to wake_read
+            select.select([wake_read], [], [], 60.0)
+            try:
+                os.read(wake_read, 512)
+            except BlockingIOError:
+                pass
+        return 0
 
     def _on_stop(self, signum, _frame) -> None:
         self._stopping = True
@@ -220,6 +277,9 @@ class Supervisor:
                 kmount.unmount(self.mountpoint)
         elif message.startswith(b"CONNECTION "):
             self._connection = takeover.connection_from_text(message[11:].decode())
+            self._keep()
+        elif message == b"HANDED":
+            self._handed_over = True
         for fd in fds:
             os.close(fd)
         return True

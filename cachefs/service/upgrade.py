@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 
 from cachefs.control import client
 from cachefs.errors import UsageError
 from cachefs.kernel import takeover
+from cachefs.kernel.mountpoint import FSTYPE, find_mount
 from cachefs.kernel.session import Connection
 from cachefs.service.process import wait_gone
 
@@ -45,7 +47,8 @@ class Handover:
     restarts: int
     mounted_at: float
     old_pid: int
-    gone_at: float  # when the old serving process was gone (time.time())
+    gone_at: float | None  # when the old serving process was gone (time.time()); None: unknown
+    source: str = "daemon"  # from the serving daemon; "fdstore": from systemd (fdstore.py)
 
 
 def running_command(mountpoint: str) -> tuple[list[str], dict]:
@@ -58,6 +61,25 @@ def running_command(mountpoint: str) -> tuple[list[str], dict]:
     return list(command), status
 
 
+def serving_daemon(mountpoint: str | os.PathLike, control_path: str) -> str | None:
+    """``control_path`` when a daemon serving ``mountpoint`` answers there (``cachefs mount
+    --take-over``: a new pod takes the mount of the old one); None when there is nothing to
+    take over: no cachefs mount, or a dead daemon's (its stale mount is cleared as usual).
+    The socket is asked, not the mount: a dead daemon's mount would hang the asking."""
+    entry = find_mount(mountpoint)
+    if entry is None or entry.fstype != FSTYPE:
+        return None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(HANDOVER_TIMEOUT_SECONDS)
+            sock.connect(control_path)
+            sock.sendall(b"PING\n")
+            answer = json.loads(sock.makefile("rb").readline() or b"{}")
+    except (OSError, ValueError):
+        return None
+    return control_path if answer.get("ok") else None
+
+
 def receive_mount(control_path: str) -> Handover:
     """Take the mount from the serving process at ``control_path``; it is gone on return."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -65,6 +87,7 @@ def receive_mount(control_path: str) -> Handover:
     try:
         try:
             sock.connect(control_path)
+            visible_pid = _peer_pid(sock)
             sock.sendall(b"HANDOVER\n")
             line, fds = _reply(sock)
         except OSError as exc:
@@ -86,12 +109,22 @@ def receive_mount(control_path: str) -> Handover:
             pass
     finally:
         sock.close()
-    old_pid = int(reply["pid"])
-    if not wait_gone(old_pid, HANDOVER_TIMEOUT_SECONDS):
+    old_pid = int(reply["pid"])  # as its own PID namespace numbers it
+    # Waited for by the pid this namespace sees: in another container's namespace (a pod of a
+    # rolling update) its own pid names some other process here, or none, and the kernel says
+    # 0; the end of file above, at its exit, is then all there is to wait for.
+    if visible_pid and not wait_gone(visible_pid, HANDOVER_TIMEOUT_SECONDS):
         raise UsageError(f"the old serving process {old_pid} did not exit")
     return Handover(fd, takeover.connection_from_text(connection) if connection else None,
                     int(reply.get("restarts", 0)), float(reply.get("mounted_at", time.time())),
                     old_pid, time.time())
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The pid of the process that listens at the other end of ``sock``, as this process's PID
+    namespace numbers it; 0 where it cannot see that process."""
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[0]
 
 
 def _reply(sock: socket.socket) -> tuple[bytes, list[int]]:
