@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what cachefs, its tests and its benchmark need on a fresh Debian machine:
 # FUSE from Debian, rclone (the benchmark's peer), Prometheus (promtool and the server the
-# tests run against the deploy files), then the Python packages.
+# tests run against the deploy files), systemd-analyze (the unit's check), then the Python
+# packages.
 # Safe to run again: every step is a no-op once done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,8 @@ need_apt=()
 command -v fusermount >/dev/null || need_apt+=(fuse)
 command -v rclone >/dev/null || need_apt+=(rclone)
 command -v promtool >/dev/null || need_apt+=(prometheus)
+# systemd-analyze checks the unit (systemd is not PID 1 here; installing it starts nothing).
+command -v systemd-analyze >/dev/null || need_apt+=(systemd)
 if [ ${#need_apt[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
