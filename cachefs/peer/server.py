@@ -22,6 +22,7 @@ import errno
 import http.server
 import json
 import logging
+import sys
 import threading
 
 from cachefs.errors import CacheCorrupt, CachefsError, RemoteChanged
@@ -184,6 +185,14 @@ class HTTPServer(http.server.ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        # The library prints a traceback for whatever a handler raised; a peer that died or
+        # hung up mid-answer (a node restarting) is worth a debug line, not that.
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            log.debug("peer %s went away mid-answer: %s", client_address[0], sys.exc_info()[1])
+            return
+        log.exception("peer connection from %s failed", client_address[0])
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
