@@ -236,6 +236,8 @@ def test_the_mount_outlives_its_supervisor_while_systemd_keeps_the_descriptor(so
     assert second["supervisor_pid"] == second_process.pid != first["supervisor_pid"]
     assert second["serving"]["taken_over_from"] == "fdstore"
     assert second["serving"]["restarts"] == 1
+    status_text = run_cachefs("status", str(mount.path), timeout=30).stdout
+    assert "taken over from systemd's descriptor store" in status_text, status_text
     assert second["serving"]["mounted_since"] == first["serving"]["mounted_since"]
     # The new supervisor is the unit's main process, and still has systemd keep the descriptor.
     assert manager.wait_for("MAINPID", str(second_process.pid), since=since)

@@ -46,7 +46,14 @@ def _restarts(st: dict, serving: dict) -> str:
             f"this process serves since {since}")
     if pause is not None:
         text += f" after a pause of {pause * 1000:.0f} ms"
+    taken = _TAKEN_OVER_FROM.get(serving.get("taken_over_from"))
+    if taken:
+        text += f", the mount taken over from {taken}"
     return text + f"; {serving['requests_resent']:,} requests resent to it"
+
+
+# How the supervisor got the mount, when it did not make it (service/upgrade.py, fdstore.py).
+_TAKEN_OVER_FROM = {"daemon": "the daemon that served it", "fdstore": "systemd's descriptor store"}
 
 
 def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
