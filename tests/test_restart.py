@@ -6,6 +6,7 @@ The handle table alone, without a mount, first."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -524,7 +526,6 @@ def test_a_new_pod_takes_the_mount_from_the_old_one_and_the_old_one_lets_go(
                           "take_over": True})
     mount.path.mkdir()
     command = [sys.executable, "-m", "cachefs", *mount.command(), "--foreground"]
-    pods: list[subprocess.Popen] = []
 
     def start_pod() -> subprocess.Popen:
         pods.append(subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL,
@@ -532,7 +533,7 @@ def test_a_new_pod_takes_the_mount_from_the_old_one_and_the_old_one_lets_go(
                                      text=True, start_new_session=True))
         return pods[-1]
 
-    try:
+    with _pods(mount) as pods:
         old_pod = start_pod()  # nothing to take over: it mounts
         old = wait_for(lambda: _status_or_none(mount), timeout=60, what="the old pod serving")
         assert old["supervisor_pid"] == old_pod.pid
@@ -579,6 +580,17 @@ def test_a_new_pod_takes_the_mount_from_the_old_one_and_the_old_one_lets_go(
         assert result.returncode == 0, result.stderr
         assert find_mount(mount.path) is None
         assert new_pod.wait(30) == 0
+
+
+@contextlib.contextmanager
+def _pods(mount: CachefsMount) -> Iterator[list[subprocess.Popen]]:
+    """The pods (daemons started with --foreground) a test runs on ``mount``: on a failure the
+    log's tail is shown; at the end the mount is detached if it is still there, and every pod
+    still running killed, with what it runs (a pod in a PID namespace of its own runs the
+    daemon as its child)."""
+    pods: list[subprocess.Popen] = []
+    try:
+        yield pods
     except BaseException:
         sys.stderr.write(f"\n--- cachefs log ---\n{mount.log_tail()}\n")
         raise
@@ -587,13 +599,19 @@ def test_a_new_pod_takes_the_mount_from_the_old_one_and_the_old_one_lets_go(
             run_cachefs("unmount", "--lazy", str(mount.path))
         for pod in pods:
             if pod.poll() is None:
+                for child in _children(pod.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child, signal.SIGKILL)
                 pod.kill()
             pod.wait(30)
 
 
 def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(child) for child in f.read().split()]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except FileNotFoundError:  # it has just exited
+        return []
 
 
 def test_a_new_pod_in_a_pid_namespace_of_its_own_takes_the_mount_over(source, remote, tmp_path):
@@ -608,9 +626,8 @@ def test_a_new_pod_in_a_pid_namespace_of_its_own_takes_the_mount_over(source, re
     mount.path.mkdir()
     command = ["unshare", "--pid", "--fork", sys.executable, "-m", "cachefs", *mount.command(),
                "--foreground"]
-    pods: list[subprocess.Popen] = []
     own_namespace = os.readlink("/proc/self/ns/pid")
-    try:
+    with _pods(mount) as pods:
         pods.append(subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True))
         old = wait_for(lambda: _status_or_none(mount), timeout=60, what="the old pod serving")
@@ -639,15 +656,3 @@ def test_a_new_pod_in_a_pid_namespace_of_its_own_takes_the_mount_over(source, re
         result = run_cachefs("unmount", str(mount.path))
         assert result.returncode == 0, result.stderr
         assert pods[1].wait(30) == 0
-    except BaseException:
-        sys.stderr.write(f"\n--- cachefs log ---\n{mount.log_tail()}\n")
-        raise
-    finally:
-        if find_mount(mount.path) is not None:
-            run_cachefs("unmount", "--lazy", str(mount.path))
-        for pod in pods:
-            if pod.poll() is None:
-                for child in _children(pod.pid):
-                    os.kill(child, signal.SIGKILL)
-                pod.kill()
-            pod.wait(30)
