@@ -463,11 +463,15 @@ class CacheStore:
             st = os.stat(self.layout.data_path(data_key(key, attr.version)))
         except OSError:
             return False
-        return st.st_size == attr.size and _checked_as(st) == checked_as \
-            and (self._trusted or _key_hash(key) in self._verified)
+        return self._trusts_as(key, attr.size, checked_as, st)
 
     def _trusts(self, key: bytes, record: FileRecord, st: os.stat_result) -> bool:
-        return st.st_size == record.attr.size and _checked_as(st) == record.checked_as \
+        return self._trusts_as(key, record.attr.size, record.checked_as, st)
+
+    def _trusts_as(self, key: bytes, size: int, checked_as: tuple[int, int, int],
+                   st: os.stat_result) -> bool:
+        """The data file ``st`` is the one checked (``checked_as``), whole, and trusted."""
+        return st.st_size == size and _checked_as(st) == checked_as \
             and (self._trusted or _key_hash(key) in self._verified)
 
     def _verify(self, key: bytes, record: FileRecord, fd: int, st: os.stat_result
