@@ -440,11 +440,15 @@ def test_cachefs_upgrade_to_another_checkout_during_a_dataloader_epoch(
             checked += batch.tolist()
             if number == 2 and during is not None:
                 during.start()
+            if number == len(loader) // 2 and during is not None:
+                # The rest of the epoch after the upgrade, however slow it is to start on a
+                # loaded machine: the workers read ahead meanwhile.
+                during.join(60)
         mount.settle()
         after = mount.refresh()["file_opens"]
         hits = after["hit"] - (before["hit"] if during is None else 0)
         opens = sum(after.values()) - (sum(before.values()) if during is None else 0)
-        return checked, hits / opens
+        return checked, hits / max(opens, 1)
 
     epoch()  # fills the kept half
     checked, steady = epoch()

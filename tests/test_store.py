@@ -444,3 +444,32 @@ def test_the_key_filter_never_says_absent_of_a_key_written(tmp_path):
     assert loaded is not None and all(key in loaded for key in keys)
     (tmp_path / "f.bin").write_bytes(b"junk")
     assert KeyFilter.load(tmp_path / "f.bin") is None
+
+
+def test_a_successor_waits_for_the_cache_dir_its_predecessor_still_holds(tmp_path):
+    """A daemon taking a mount over starts while the one before commits its index and exits:
+    it waits for the cache dir's lock, up to a bound; without that wait it is refused."""
+    import select
+    import subprocess
+    import sys
+
+    CacheStore.open(tmp_path / "cache", 2**20, FractionAdmission(1.0)).close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('held', flush=True); time.sleep(1.0)\n"
+         "print('releasing', flush=True); fcntl.flock(fd, fcntl.LOCK_UN); time.sleep(60)",
+         str(tmp_path / "cache" / "lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match="in use by another cachefs daemon"):
+            CacheStore.open(tmp_path / "cache", 2**20, FractionAdmission(1.0))
+        store = CacheStore.open(tmp_path / "cache", 2**20, FractionAdmission(1.0),
+                                lock_wait_seconds=30)
+        # Taken after the holder let go, not before: its last line is already there.
+        assert select.select([holder.stdout], [], [], 0)[0]
+        assert holder.stdout.readline().strip() == "releasing"
+        store.close()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -66,6 +66,10 @@ from cachefs.store.store import CacheStore
 log = logging.getLogger(__name__)
 
 READY_FD_ENV = "CACHEFS_READY_FD"
+# How long a daemon taking the mount over waits for its predecessor to let go of the cache
+# dir: it commits the index's pending writes first (a fraction of a second; more on a
+# loaded disk).
+TAKEOVER_LOCK_WAIT = 10.0
 
 
 def default_runtime_dir() -> Path:
@@ -142,7 +146,12 @@ class Daemon:
                 admission = ClusterAdmission(s.fraction, s.seed, members)
             else:
                 admission = FractionAdmission(s.fraction, s.seed)
-            self.store = _open_store(s, admission, m)
+            succession = self.succession
+            taking_over = succession is not None and succession.fd is not None
+            # A daemon taking the mount over may start while the one it took it from still
+            # commits its index and exits, holding the cache dir a moment longer.
+            self.store = _open_store(s, admission, m,
+                                     lock_wait_seconds=TAKEOVER_LOCK_WAIT if taking_over else 0)
             store = self.store
             store.on_write_error = m.cache_write_errors.inc
             m.cache_capacity_bytes.set(s.cache_size_bytes)
@@ -534,11 +543,12 @@ def _caller(peer: Peer) -> Caller:
     return Caller.of_process(peer.pid, peer.uid, peer.gid)
 
 
-def _open_store(s: Settings, admission, m: Metrics) -> CacheStore:
+def _open_store(s: Settings, admission, m: Metrics, lock_wait_seconds: float) -> CacheStore:
     """The cache, or a one-line UsageError saying why the cache disk refuses it."""
     try:
         return CacheStore.open(s.cache_dir, s.cache_size_bytes, admission,
-                               on_integrity_failure=m.integrity_failures.inc)
+                               on_integrity_failure=m.integrity_failures.inc,
+                               lock_wait_seconds=lock_wait_seconds)
     except (OSError, sqlite3.Error) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         full = shutil.disk_usage(s.cache_dir).free == 0 or _no_free_inodes(s.cache_dir)

@@ -28,6 +28,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -43,6 +44,8 @@ FORMAT_VERSION = 2
 # refilled as files are read.
 OLDER_FORMATS = frozenset({1})
 MARKER_NAME = "cachefs-cache.json"
+# How often a successor waiting for the cache dir tries its lock again.
+LOCK_POLL_SECONDS = 0.01
 # Allocation granularity assumed when the filesystem has not yet told us
 # (delayed allocation); st_blocks is used when it is larger.
 BLOCK_BYTES = 4096
@@ -140,12 +143,20 @@ class CacheLayout:
         tmp.write_text(json.dumps({"format": FORMAT_VERSION, "chunk_bytes": self.chunk_bytes}))
         os.replace(tmp, marker)
 
-    def lock(self) -> None:
-        """Take the cache dir for this process; UsageError when another daemon has it."""
+    def lock(self, wait_seconds: float = 0.0) -> None:
+        """Take the cache dir for this process; UsageError when another daemon has it, still
+        after ``wait_seconds`` (a successor waits for the daemon it took the mount from, which
+        commits its index and exits as the successor starts)."""
         fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(LOCK_POLL_SECONDS)
+                    continue
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
             raise UsageError(

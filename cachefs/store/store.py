@@ -215,16 +215,18 @@ class CacheStore:
         *,
         verify_data: bool = False,
         scrub: bool = True,
+        lock_wait_seconds: float = 0.0,
     ) -> CacheStore:
         """Prepare and lock ``cache_dir``, then learn its account: from the record of a clean
         stop (no scan), else by reconciling it with its index, in the background unless the
         index is empty or ``verify_data`` (``cachefs verify``) asks for every checksum, then at
         once.  ``ready`` is set once the account is known; what the reconciliation found is
         then in ``startup_report``.  With ``scrub``, every file is verified in the background
-        from then on (scrub.py)."""
+        from then on (scrub.py).  ``lock_wait_seconds``: how long another daemon may still hold
+        the cache dir (see CacheLayout.lock)."""
         layout = CacheLayout(cache_dir, CHUNK_BYTES)
         layout.prepare()
-        layout.lock()
+        layout.lock(lock_wait_seconds)
         try:
             store = cls(layout, CacheIndex(layout.index_dir), capacity_bytes, admission,
                         on_integrity_failure)
