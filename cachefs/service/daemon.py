@@ -57,7 +57,7 @@ from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.origin import RemoteOrigin
 from cachefs.remote.remote import Remote
-from cachefs.service import sdnotify
+from cachefs.service import heap, sdnotify
 from cachefs.service.config import Settings
 from cachefs.service.supervisor import Succession
 from cachefs.store.admission import ClusterAdmission, FractionAdmission
@@ -138,6 +138,7 @@ class Daemon:
         """Everything but the mount.  Raises UsageError for bad input; undoes itself on failure."""
         s = self.settings
         m = self.metrics
+        heap.map_large_blocks()  # before the tables that grow with the dataset
         try:
             members = None
             if s.peers is not None:
