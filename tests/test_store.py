@@ -6,7 +6,10 @@ from __future__ import annotations
 import errno
 import os
 import random
+import select
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -449,10 +452,6 @@ def test_the_key_filter_never_says_absent_of_a_key_written(tmp_path):
 def test_a_successor_waits_for_the_cache_dir_its_predecessor_still_holds(tmp_path):
     """A daemon taking a mount over starts while the one before commits its index and exits:
     it waits for the cache dir's lock, up to a bound; without that wait it is refused."""
-    import select
-    import subprocess
-    import sys
-
     CacheStore.open(tmp_path / "cache", 2**20, FractionAdmission(1.0)).close()
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys, time\n"

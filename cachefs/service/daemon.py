@@ -147,12 +147,10 @@ class Daemon:
                 admission = ClusterAdmission(s.fraction, s.seed, members)
             else:
                 admission = FractionAdmission(s.fraction, s.seed)
-            succession = self.succession
-            taking_over = succession is not None and succession.fd is not None
             # A daemon taking the mount over may start while the one it took it from still
             # commits its index and exits, holding the cache dir a moment longer.
-            self.store = _open_store(s, admission, m,
-                                     lock_wait_seconds=TAKEOVER_LOCK_WAIT if taking_over else 0)
+            self.store = _open_store(s, admission, m, lock_wait_seconds=TAKEOVER_LOCK_WAIT
+                                     if self._taking_over else 0)
             store = self.store
             store.on_write_error = m.cache_write_errors.inc
             m.cache_capacity_bytes.set(s.cache_size_bytes)
@@ -232,6 +230,11 @@ class Daemon:
             log.info("unmounted %s", s.mountpoint)
             sdnotify.notify("STOPPING=1")
 
+    @property
+    def _taking_over(self) -> bool:
+        """This process serves a mount an earlier one made (a restart, an upgrade)."""
+        return self.succession is not None and self.succession.fd is not None
+
     def _tables(self, taking_over: bool) -> tuple[NodeTable, HandleTable]:
         base = node_table_base(self.settings)
         if taking_over:
@@ -248,7 +251,7 @@ class Daemon:
     def _serve_session(self) -> None:
         s = self.settings
         succession = self.succession
-        taking_over = succession is not None and succession.fd is not None
+        taking_over = self._taking_over
         nodes, handles = self._tables(taking_over)
         self.fs = MirrorFS(self.tree, on_mounted=self._on_mounted, metrics=self.metrics,
                            nodes=nodes, handles=handles, max_held=s.held_files)
