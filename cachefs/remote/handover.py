@@ -19,7 +19,7 @@ open.
 
 Thread safety: ``_lock`` guards ``_fills``, each fill's ``fd`` and ``_queued`` (a leaf lock,
 never held across a call on the remote); ``_done``, a condition on it, tells waiters that a
-fill ended.  ``_cold_copies`` is a hint any fill thread updates without it.
+fill ended.  ``_waiting_copies`` is a hint any fill thread updates without it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,20 +45,30 @@ log = logging.getLogger(__name__)
 # yet) waits outside the interpreter lock: enough to keep a remote's latency covered.
 FILL_THREADS = 8
 # Threads are added where they help, not as fills come: once more than
-# FILL_BACKLOG_PER_THREAD fills per thread are queued while most copies find the remote
-# file's pages not cached yet (they wait on the remote, outside the interpreter lock).  A copy
-# of the pages a reader has just pulled waits on nothing, and every thread more only takes
-# turns at the interpreter lock (a futex wake and a context switch each).  Against a fast
-# remote (a local tree, 5,000 files of 64 KiB, 8 readers, 2 cores): with one thread per fill
-# as they came (eight), the copies waited 350-460 us beyond their CPU time (median) for each
-# other, with one 0 us (65 us at the 90th percentile); filling every file cost 692-822 us
-# of daemon CPU per file against 626-1,378 (in turns, 4 rounds).  Where the remote's file
-# system cannot tell whether pages are cached (RWF_NOWAIT unsupported: FUSE), copies count
-# as waiting.  Copies that wait on nothing get threads too once the queue fills up (a thread
-# per MAX_QUEUED_FILLS / FILL_THREADS queued): fills that cannot keep up with the readers are
-# late rather than skipped.  A queued fill costs a descriptor, and its remote file's pages
-# stay cached a little longer.
+# FILL_BACKLOG_PER_THREAD fills per thread are queued while most copies wait on the remote
+# (spend longer than WAITING_COPY_SECONDS off the CPU: a copy that waits does so outside
+# the interpreter lock, where another thread's copy can wait beside it).  A copy of pages the
+# remote's client has cached, or from a disk as fast as a local one, waits on nothing, and
+# every thread more only takes turns at the interpreter lock (a futex wake and a context
+# switch each).  Against a fast remote (a local tree, 5,000 files of 64 KiB, 8 readers,
+# 2 cores): with one thread per fill as they came (eight), the copies waited 350-460 us
+# beyond their CPU time (median) for each other, with one 0 us (65 us at the 90th
+# percentile).  Whether a copy waits was first told by whether the remote file's last page
+# was in the page cache (RWF_NOWAIT), which is not the question: on a fast remote the copy
+# starts before the reader has pulled the pages, so nearly every copy counted as waiting
+# and eight threads ran, where the copies' own times (a median of 190 us, 12 % over 1 ms,
+# with the readers beside them) keep two.  Copies that wait on nothing get threads too once
+# the queue fills up (a thread per MAX_QUEUED_FILLS / FILL_THREADS queued): fills that
+# cannot keep up with the readers are late rather than skipped.  A queued fill costs a
+# descriptor, and its remote file's pages stay cached a little longer.
 FILL_BACKLOG_PER_THREAD = 4
+# A copy that spent longer than this off the CPU waited on the remote: a round trip to an
+# NFS server is 0.5-5 ms; 64 KiB from a local disk, or from pages the remote's client
+# cached, 20-200 us.  The time off the CPU also counts turns at the interpreter lock and on
+# a busy run queue, which come in bursts: the share is averaged over WAITING_COPIES_WINDOW
+# copies.
+WAITING_COPY_SECONDS = 0.001
+WAITING_COPIES_WINDOW = 32
 # Fills waiting for a thread; past this a file is filled at a later open instead.
 MAX_QUEUED_FILLS = 4096
 # Errors of a copy that are the cache disk's, not the remote's.
@@ -103,7 +114,7 @@ class RemoteFiles:
         self._queue: queue.SimpleQueue[_Fill | None] = queue.SimpleQueue()
         self._queued = 0
         self._threads: list[threading.Thread] = []
-        self._cold_copies = 0.0  # the share of recent copies whose pages were not cached
+        self._waiting_copies = 0.0  # the share of recent copies that waited on the remote
         self._closed = False
 
     def close(self) -> None:
@@ -194,7 +205,7 @@ class RemoteFiles:
                 thread = None
                 threads = len(self._threads)
                 if not threads or threads < FILL_THREADS and self._queued > threads * (
-                        FILL_BACKLOG_PER_THREAD if self._cold_copies > 0.5
+                        FILL_BACKLOG_PER_THREAD if self._waiting_copies > 0.5
                         else MAX_QUEUED_FILLS // FILL_THREADS):
                     thread = threading.Thread(target=self._work, name="fill", daemon=True)
                     self._threads.append(thread)
@@ -232,9 +243,13 @@ class RemoteFiles:
     def _copy(self, fill: _Fill, out: int) -> None:
         if not fill.counted:
             self._remote.count_read(fill.attr.size)
-        cold = 0.0 if _cached(fill.fd, fill.attr.size) else 1.0
-        self._cold_copies += (cold - self._cold_copies) / 8
-        self._remote.call(_send_checked, fill.fd, out, fill.attr.version)
+        began, began_cpu = time.monotonic(), time.thread_time()
+        try:
+            self._remote.call(_send_checked, fill.fd, out, fill.attr.version)
+        finally:
+            waited = (time.monotonic() - began) - (time.thread_time() - began_cpu)
+            self._waiting_copies += (float(waited > WAITING_COPY_SECONDS)
+                                     - self._waiting_copies) / WAITING_COPIES_WINDOW
 
     def _finish(self, fill: _Fill) -> None:
         with self._lock:
@@ -266,15 +281,6 @@ def _send_checked(src: int, out: int, version: Version) -> None:
             raise RemoteChanged("the file is shorter than its attributes say")
         offset += sent
     _check_version(src, version)
-
-
-def _cached(fd: int, size: int) -> bool:
-    """Whether the last page of the open file is in the page cache (a reader has read it
-    through); False also where the file system cannot tell."""
-    try:
-        return os.preadv(fd, [bytearray(1)], max(0, size - 1), os.RWF_NOWAIT) == 1
-    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
-        return False
 
 
 def _check_version(fd: int, version: Version) -> None:
