@@ -9,6 +9,8 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,66 @@ def test_every_kind_of_reader_gets_the_remote_bytes_from_every_kind_of_file(
     kept_mount.settle()  # a miss handed to the kernel is copied into the cache beside it
     assert kept_mount.metric("cachefs_cache_files") == len(kept)
     assert passed_mount.metric("cachefs_cache_files") == 0
+
+
+# Threads of the daemon switch this often in the racing-opens test (seconds; Python's default
+# is 5 ms), and the readers race for so long in each of its two rounds.
+RACING_SWITCH_INTERVAL = 1e-5
+RACING_SECONDS = 10
+
+
+def test_opens_racing_other_opens_and_releases_of_the_same_file_all_succeed(
+        source, remote, mount_cachefs, monkeypatch):
+    """Sixteen readers open, read and close a few files at random, so that opens of one file
+    overlap each other and its last release: small files kept (after a restart, the first
+    opens register the cache's file) and not kept (the remote's own file, closed with the
+    last open), large ones read chunk by chunk or through the remote's file while they are
+    copied into the cache.  The daemon's threads switch every 10 us, so that its decisions
+    for one file interleave with each other's and with the releases as on a loaded machine.
+    Every open succeeds and reads the remote's bytes."""
+    small = make_files(source, 40, size=(1000, 40_000))
+    (source / "large").mkdir()
+    large = [f"large/shard{i}.tar" for i in range(6)]
+    for i, rel in enumerate(large):
+        (source / rel).write_bytes(random.Random(i).randbytes(6 * 2**20))
+    helpers = Path(__file__).parent / "helpers" / "interleave"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(helpers), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("CACHEFS_TEST_SWITCH_INTERVAL", str(RACING_SWITCH_INTERVAL))
+    mount = mount_cachefs(remote.path, fraction=0.5)
+    want = {rel: (source / rel).read_bytes() for rel in small + large}
+    errors: list[str] = []
+    opens = [0]
+
+    def read_at_random(number: int, deadline: float) -> None:
+        rng = random.Random(number)
+        while time.monotonic() < deadline:
+            rel = rng.choice(large if rng.random() < 0.5 else small)
+            offset = rng.randrange(len(want[rel]))
+            try:
+                fd = os.open(mount.path / rel, os.O_RDONLY)
+                try:
+                    got = os.pread(fd, rng.choice([1, 65536, 2 * 2**20]), offset)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                errors.append(f"{rel}: {exc}")
+                continue
+            opens[0] += 1
+            if got != want[rel][offset:offset + len(got)] or not got:
+                errors.append(f"{rel}: other bytes than the remote's at {offset}")
+
+    for round in range(2):
+        if round:  # after a restart: nothing registered with the kernel yet
+            mount.stop()
+            mount.start()
+        deadline = time.monotonic() + RACING_SECONDS
+        threads = [threading.Thread(target=read_at_random, args=(round * 100 + n, deadline))
+                   for n in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(RACING_SECONDS + 60)
+        assert not any(t.is_alive() for t in threads), "a reader is stuck"
+        assert not errors, f"{len(errors)} of {opens[0] + len(errors)} failed: {errors[:5]}"
+    assert mount.status()["cache_files"] > 0

@@ -29,7 +29,10 @@ chunk.
 The kernel allows one backing file per node while any passthrough open of it lasts, and
 no passthrough open while the node has opens served here with its page cache; ``Opened``
 tracks both for the nodes with open files, and an open that cannot use passthrough is served
-here instead.
+here instead.  An open reads those counts and counts itself under one hold of the lock: in
+between, the last RELEASE of a backing file may close it, or an open served here begin, and
+the kernel answers an open that breaks either rule with EIO.  An open whose held file another
+open of the same file pushed out (and closed) meanwhile reads through the tree instead.
 
 Restarts (kernel/takeover.py).  A file handle is a slot of the handle table (handles.py), in a
 mapped file beside the node table: a process taking the mount over adopts the open files
@@ -501,11 +504,16 @@ class MirrorFS:
         with self._lock:
             opened = self._opened.get(node.nodeid)
             live = opened.backing if opened is not None else None
-            held = self._held.get_locked(key)
+            if live is not None:
+                # Passthrough opens of this node are live: the kernel insists on their
+                # backing.  Joined under the lock that saw it, before a RELEASE of the last
+                # of them can close it.
+                fh = self._join_live_locked(opened)
+            else:
+                held = self._held.get_locked(key)
         if live is not None:
-            # Passthrough opens of this node are live: the kernel insists on their backing.
             self.tree.count_open(*live.reopened_as, attr.size)
-            return self._reply_passthrough(node, live)
+            return p.open_out(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, live.backing_id)
         located = self.tree.locate(node.relpath, attr, held=_held_as(held))
         backing = self._backing_for(node, located, held)
         if backing is None:
@@ -540,29 +548,34 @@ class MirrorFS:
         return backing
 
     def _reply_passthrough(self, node: Node, backing: Backing) -> bytes:
+        """Name ``backing`` (this open's, not yet used by any) to the kernel, or what the
+        node's other opens, decided meanwhile, leave this one: the kernel allows one backing
+        file per node and no passthrough open beside opens served with its page cache."""
         closing = None
         with self._lock:
             opened = self._opened_locked(node)
-            passthrough = not opened.served
-            if not passthrough and not backing.readable:
-                # Opens served here hold the node's pages, and this file cannot be read here:
-                # read through the tree instead, as they are (a race, rare).
-                if backing.opens == 0 and not backing.held:
+            # Pushed out of the held files by another open of the same file: closed by it.
+            gone = backing.evicted and backing.opens == 0
+            if opened.backing is not None:
+                # Another open of this node won the race: the kernel insists on its file.
+                if not backing.held and backing.opens == 0:
+                    closing = backing
+                fh, backing, passthrough = self._join_live_locked(opened), opened.backing, True
+            elif gone or (opened.served and not backing.readable):
+                # Opens served here hold the node's pages and this file cannot be read here,
+                # or it is closed: read through the tree instead (a race, rare).
+                if not gone and backing.opens == 0 and not backing.held:
                     closing = backing
                 backing = None
-            elif not passthrough:
-                # Opens served here hold the node's page cache: the kernel refuses a
-                # passthrough open beside them, so this one is served here too.
-                opened.served += 1
             else:
-                if opened.backing is not None and opened.backing is not backing:
-                    # Another open of this node won the race: the kernel insists on its file.
-                    if not backing.held and backing.opens == 0:
-                        closing = backing
-                    backing = opened.backing
-                opened.backing = backing
-                opened.passthrough += 1
-            if backing is not None:
+                # With opens served here holding the node's page cache, the kernel refuses
+                # a passthrough open beside them: this one is served here too.
+                passthrough = not opened.served
+                if passthrough:
+                    opened.backing = backing
+                    opened.passthrough += 1
+                else:
+                    opened.served += 1
                 backing.opens += 1
                 fh = self.records.add_locked(node.nodeid, backing.backing_id if passthrough
                                              else 0, h.PASSTHROUGH if passthrough else h.SERVED)
@@ -594,22 +607,46 @@ class MirrorFS:
                 for gone in out:
                     self._close_backing(gone)
         with self._lock:
-            opened = self._opened_locked(node)
-            backing.opens += 1
-            opened.served += 1
-            fh = self.records.add_locked(node.nodeid, 0, h.SERVED)
-            self._handles[fh] = Handle(opened, backing, False)
+            # Pushed out of the held files by another open meanwhile: its descriptor is
+            # closed (and its number perhaps another file's by now).
+            gone = backing.evicted and backing.opens == 0
+            if not gone:
+                opened = self._opened_locked(node)
+                backing.opens += 1
+                opened.served += 1
+                fh = self.records.add_locked(node.nodeid, 0, h.SERVED)
+                self._handles[fh] = Handle(opened, backing, False)
+        if gone:
+            return self._serve(node, self.tree.read_through(node.relpath, node.attr))
         return p.open_out(fh, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
 
     def _serve(self, node: Node, located: Located) -> bytes:
-        """An open read chunk by chunk through the tree."""
+        """An open read chunk by chunk through the tree; or, when a passthrough open of the
+        node began since the tree answered (another open raced this one), one more of those:
+        the kernel fails an open served with the page cache beside them (EIO)."""
         tree_handle = self.tree.register(located.handle)
         with self._lock:
             opened = self._opened_locked(node)
-            opened.served += 1
-            fh = self.records.add_locked(node.nodeid, 0, h.SERVED)
-            self._handles[fh] = Handle(opened, None, False, tree_handle)
-        return p.open_out(fh, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
+            live = opened.backing
+            if live is None:
+                opened.served += 1
+                fh = self.records.add_locked(node.nodeid, 0, h.SERVED)
+                self._handles[fh] = Handle(opened, None, False, tree_handle)
+            else:
+                fh = self._join_live_locked(opened)
+        if live is None:
+            return p.open_out(fh, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
+        self.tree.release(tree_handle)
+        return p.open_out(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, live.backing_id)
+
+    def _join_live_locked(self, opened: Opened) -> int:
+        """One more passthrough open of ``opened``'s live backing file; its handle."""
+        backing = opened.backing
+        opened.passthrough += 1
+        backing.opens += 1
+        fh = self.records.add_locked(opened.node.nodeid, backing.backing_id, h.PASSTHROUGH)
+        self._handles[fh] = Handle(opened, backing, True)
+        return fh
 
     def read(self, req: Request, nodeid: int, fh: int, offset: int, size: int):
         handle = self._handles.get(fh)
