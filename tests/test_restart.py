@@ -42,7 +42,8 @@ from tests.test_security import as_nobody
 pytestmark = pytest.mark.timeout(150)
 
 # One reader process: loops over its files for SECONDS, comparing every byte with the source,
-# and reports the reads, the errors, the wrong files and the longest single operation.
+# and reports the reads, the errors, the wrong reads (how each was wrong) and the longest
+# single operation.
 READER = r"""
 import hashlib, json, mmap, os, random, sys, time
 kind, mount, source, seconds, seed = sys.argv[1:6]
@@ -50,7 +51,15 @@ paths = json.loads(sys.stdin.read())
 want = {rel: open(os.path.join(source, rel), "rb").read() for rel in paths}
 rng = random.Random(int(seed))
 end = time.monotonic() + float(seconds)
-out = {"reads": 0, "errors": [], "wrong": 0, "max_wait": 0.0}
+out = {"reads": 0, "errors": [], "wrong": 0, "wrong_reads": [], "max_wait": 0.0}
+def check(rel, offset, got, expected):
+    if got == expected:
+        return
+    out["wrong"] += 1
+    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    out["wrong_reads"].append(
+        f"{kind} {rel} at {offset}: {len(got)} bytes of {len(expected)}, first different byte "
+        f"{first}, {got.count(0)} zero bytes, {time.time():.3f}")
 def timed(action):
     started = time.monotonic()
     try:
@@ -80,8 +89,8 @@ while time.monotonic() < end:
         for offset in range(0, len(want[rel]), 1 << 18):
             piece = timed(lambda: os.pread(fd, 1 << 18, offset))
             out["reads"] += 1
-            if piece is not None and piece != want[rel][offset:offset + (1 << 18)]:
-                out["wrong"] += 1
+            if piece is not None:
+                check(rel, offset, piece, want[rel][offset:offset + (1 << 18)])
             time.sleep(0.005)
             if time.monotonic() > end:
                 break
@@ -91,8 +100,8 @@ while time.monotonic() < end:
     rel = rng.choice(paths)
     data = timed(lambda: (mapped if kind == "mmap" else whole)(rel))
     out["reads"] += 1
-    if data is not None and data != want[rel]:
-        out["wrong"] += 1
+    if data is not None:
+        check(rel, 0, data, want[rel])
 print(json.dumps(out))
 """
 
@@ -214,7 +223,7 @@ def test_kill_9_under_8_readers_costs_them_a_wait_not_an_error(
     assert status["serving"]["since"] > first["serving"]["since"]
     assert 0 < pause < 5
     assert [r["errors"] for r in results] == [[]] * 8
-    assert sum(r["wrong"] for r in results) == 0
+    assert sum(r["wrong"] for r in results) == 0, [r["wrong_reads"][:3] for r in results]
     assert all(r["reads"] > 0 for r in results)
     longest = max(r["max_wait"] for r in results)
     assert longest <= pause + 1.0, (longest, pause)
@@ -250,7 +259,7 @@ def test_kill_9_twice_in_a_row(source, remote, mount_cachefs):
         readers.kill()
     assert status["serving"]["restarts"] == 2
     assert [r["errors"] for r in results] == [[]] * 4
-    assert sum(r["wrong"] for r in results) == 0
+    assert sum(r["wrong"] for r in results) == 0, [r["wrong_reads"][:3] for r in results]
     longest = max(r["max_wait"] for r in results)
     # Two pauses back to back: the second restart is delayed (a quick death, see supervisor.py)
     assert longest <= 2 * status["serving"]["last_restart_pause_seconds"] + 1.0 + 0.1, longest
@@ -559,7 +568,7 @@ def test_a_new_pod_takes_the_mount_from_the_old_one_and_the_old_one_lets_go(
         assert wait_gone(old["pid"], 10)
         assert old_pod.poll() is None  # the old pod's supervisor waits to be stopped
         assert [r["errors"] for r in results] == [[]] * 4
-        assert sum(r["wrong"] for r in results) == 0
+        assert sum(r["wrong"] for r in results) == 0, [r["wrong_reads"][:3] for r in results]
         longest = max(r["max_wait"] for r in results)
         print(f"\nthe new pod took the mount over: longest reader wait {longest * 1000:.0f} ms")
 
@@ -650,7 +659,7 @@ def test_a_new_pod_in_a_pid_namespace_of_its_own_takes_the_mount_over(source, re
             readers.kill()
         assert new["serving"]["taken_over_from"] == "daemon"
         assert [r["errors"] for r in results] == [[]] * 2
-        assert sum(r["wrong"] for r in results) == 0
+        assert sum(r["wrong"] for r in results) == 0, [r["wrong_reads"][:3] for r in results]
         assert "did not exit" not in mount.log_file.read_text()
         [old_supervisor] = _children(pods[0].pid)  # the old pod's PID 1, as seen here
         assert pods[0].poll() is None  # waiting to be stopped
