@@ -124,3 +124,81 @@ def test_times_beyond_what_a_slot_holds_are_kept_exactly(table):
     assert table.get(nid).attr.mtime_ns == far_future
     table.refresh(nid, file_attr(5, mtime=far_future - 2**63))  # back in range
     assert table.get(nid).attr.mtime_ns == far_future - 2**63
+
+
+# A process looking names up and forgetting nodes, as a daemon does for the kernel: it says
+# "B name" before a lookup, "L name id" once it has the node (its reply), "F id" before a
+# forget (the kernel lets go first), until it is killed.
+_WORKER = r"""
+import os, random, stat, sys
+from pathlib import Path
+from cachefs.attr import Attr
+from cachefs.mirror.nodes import ROOT_ID, NodeTable
+base, round_, take_over = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+rng = random.Random(round_)
+table = NodeTable(base, Attr(stat.S_IFDIR | 0o755, 4096, 0, 0, 2, 1, 1, 1), take_over=take_over)
+known = []
+out = os.fdopen(1, "w", buffering=1)
+for i in range(10**9):
+    if known and rng.random() < 0.3:
+        nodeid = known.pop(rng.randrange(len(known)))
+        out.write(f"F {nodeid}\n")
+        table.forget(nodeid, 1)
+        continue
+    name = f"r{round_}-{i}-" + "x" * rng.choice([0, 5, 40, 100, 200])
+    out.write(f"B {name}\n")
+    nodeid = table.lookup(ROOT_ID, name.encode(), Attr(stat.S_IFREG | 0o644, i, 0, 0, 1, 1, 1, 1))
+    out.write(f"L {name} {nodeid}\n")
+    known.append(nodeid)
+"""
+
+
+def test_a_process_killed_anywhere_in_a_change_leaves_a_table_its_successor_serves_right(
+        tmp_path):
+    """A daemon killed at a random moment, many times over, each successor taking the table
+    over: every node the kernel holds (a lookup answered, or the one its resent LOOKUP gets)
+    still names its file, and no new lookup hands out a node id the kernel holds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    base = tmp_path / "t"
+    held: dict[int, bytes] = {}  # node id -> name: what the kernel holds
+    rng = random.Random(7)
+    for round_ in range(25):
+        worker = subprocess.Popen([sys.executable, "-c", _WORKER, str(base), str(round_),
+                                   "1" if round_ else "0"], stdout=subprocess.PIPE, cwd=REPO)
+        time.sleep(0.3 + rng.random() * 0.2)
+        os.kill(worker.pid, signal.SIGKILL)
+        lines = worker.communicate()[0].decode().split("\n")[:-1]  # the last may be cut
+        in_flight = None
+        for line in lines:
+            kind, *fields = line.split(" ")
+            if kind == "B":
+                in_flight = fields[0].encode()
+            elif kind == "L":
+                held[int(fields[1])] = fields[0].encode()
+                in_flight = None
+            else:
+                held.pop(int(fields[0]), None)
+        successor = NodeTable(base, DIR, take_over=True)
+        try:
+            for nodeid, name in held.items():
+                info = successor.get(nodeid)
+                assert info is not None and info.name == name, (round_, nodeid, name, info)
+            if in_flight is not None:  # the LOOKUP the kernel resends
+                nodeid = successor.lookup(ROOT_ID, in_flight, file_attr(1))
+                assert held.get(nodeid, in_flight) == in_flight, (round_, nodeid)
+                held[nodeid] = in_flight
+            for i in range(50):
+                name = f"s{round_}-{i}".encode()
+                nodeid = successor.lookup(ROOT_ID, name, file_attr(1))
+                assert nodeid not in held, (round_, nodeid, held[nodeid])
+                successor.forget(nodeid, 1)
+        finally:
+            successor.close()
+    assert held

@@ -24,6 +24,11 @@ version (or kind) makes a new node, and the name's index entry moves to it; the 
 on, unindexed, until the kernel forgets it (it never mixes two versions' pages or backing
 files).
 
+A process may be killed anywhere in a change (kill -9, the OOM killer).  The header takes a
+slot, or a block of names, before anything is written into it, so a successor never hands one
+out twice; a change cut short otherwise leaves at worst a slot or block nobody uses, or a name
+unindexed (its next lookup makes a new node, as for a new version).
+
 Thread safety: ``_lock`` guards every change and every read of more than one field; it is a
 leaf lock.  One process uses the files at a time: the daemon serving the mount, then its
 successor (the old one is gone, or stopped serving before it hands them over).
@@ -222,15 +227,19 @@ class NodeTable:
         return Attr(mode, size, uid, gid, nlink, atime, mtime, ctime)
 
     def _allocate(self) -> int:
+        """A slot for a new node, taken in the header at once: a process killed before it
+        wrote the header would leave a successor handing out the same slot again, for
+        another name, while the kernel holds it (once the LOOKUP is resent) for this one."""
         if self._free:
             nodeid = self._free
             self._free = _SLOT.unpack_from(self._maps["nodes"], self._offset(nodeid))[0]
-            return nodeid
-        nodeid = self._next
-        if nodeid > self._slots:
-            self._grow("nodes", _HEADER_BYTES + self._slots * _GROWTH * SLOT_BYTES)
-            self._slots = (len(self._maps["nodes"]) - _HEADER_BYTES) // SLOT_BYTES
-        self._next += 1
+        else:
+            nodeid = self._next
+            if nodeid > self._slots:
+                self._grow("nodes", _HEADER_BYTES + self._slots * _GROWTH * SLOT_BYTES)
+                self._slots = (len(self._maps["nodes"]) - _HEADER_BYTES) // SLOT_BYTES
+            self._next += 1
+        self._write_header()
         return nodeid
 
     def _release(self, nodeid: int, fields: tuple) -> None:
@@ -258,6 +267,7 @@ class NodeTable:
             offset = self._heap_used
             self._heap_used += _BLOCK_SIZES[which]
             self._grow("names", self._heap_used)
+        self._write_header()  # taken before it is written in, as a slot is (_allocate)
         self._maps["names"][offset:offset + len(name)] = name
         return offset
 
