@@ -592,11 +592,16 @@ class Session:
 
     def _release(self, req: Request, body: memoryview) -> None:
         fh, _flags, _release_flags = p.RELEASE_IN.unpack_from(body)
+        # Answered before the handle goes: a RELEASE this process handled and then died
+        # before answering is resent to its successor, by which time the handle's number may
+        # name another open (given out meanwhile), which that RELEASE would close; the READs
+        # of that open would then be served from whatever file takes the number next.  Dying
+        # between the two costs at most a handle the successor keeps for good.
+        self.reply(req.unique)
         try:
             self.fs.release(req, req.nodeid, fh)
         except Exception:
             log.exception("release failed")
-        self.reply(req.unique)
 
     def _flush(self, req: Request, body: memoryview) -> None:
         # Nothing to flush on a read-only mount: ENOSYS once, and the kernel stops asking.
