@@ -4,13 +4,19 @@ test_mirror and test_scale)."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 
 from cachefs.attr import Attr
 from cachefs.mirror.nodes import ROOT_ID, SLOT_BYTES, NodeTable
+from tests.conftest import REPO
 
 DIR = Attr(stat.S_IFDIR | 0o755, 4096, 0, 0, 2, 1, 1, 1)
 
@@ -158,14 +164,6 @@ def test_a_process_killed_anywhere_in_a_change_leaves_a_table_its_successor_serv
     """A daemon killed at a random moment, many times over, each successor taking the table
     over: every node the kernel holds (a lookup answered, or the one its resent LOOKUP gets)
     still names its file, and no new lookup hands out a node id the kernel holds."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.conftest import REPO
-
     base = tmp_path / "t"
     held: dict[int, bytes] = {}  # node id -> name: what the kernel holds
     rng = random.Random(7)
