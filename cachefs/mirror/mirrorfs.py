@@ -130,6 +130,13 @@ class Backing:
     checked_as: tuple[int, int, int] | None = None
     record: int = 0  # its slot in the handle table, when held and registered
 
+    @property
+    def gone(self) -> bool:
+        """Pushed out of the held files with no open using it: closed by whoever pushed it
+        out (its descriptor's number perhaps another file's by now).  Read under
+        ``MirrorFS._lock``."""
+        return self.evicted and self.opens == 0
+
     @classmethod
     def of(cls, fd: int, backing_id: int, located: Located) -> Backing:
         if located.kind == "cache":  # whatever brought it (a miss, a prefetch), now a hit
@@ -548,14 +555,13 @@ class MirrorFS:
         return backing
 
     def _reply_passthrough(self, node: Node, backing: Backing) -> bytes:
-        """Name ``backing`` (this open's, not yet used by any) to the kernel, or what the
+        """Name ``backing`` (this open's own, or a held cache file) to the kernel, or what the
         node's other opens, decided meanwhile, leave this one: the kernel allows one backing
         file per node and no passthrough open beside opens served with its page cache."""
         closing = None
         with self._lock:
             opened = self._opened_locked(node)
-            # Pushed out of the held files by another open of the same file: closed by it.
-            gone = backing.evicted and backing.opens == 0
+            gone = backing.gone  # pushed out by another open of the same file meanwhile
             if opened.backing is not None:
                 # Another open of this node won the race: the kernel insists on its file.
                 if not backing.held and backing.opens == 0:
@@ -607,9 +613,7 @@ class MirrorFS:
                 for gone in out:
                     self._close_backing(gone)
         with self._lock:
-            # Pushed out of the held files by another open meanwhile: its descriptor is
-            # closed (and its number perhaps another file's by now).
-            gone = backing.evicted and backing.opens == 0
+            gone = backing.gone  # pushed out by another open meanwhile
             if not gone:
                 opened = self._opened_locked(node)
                 backing.opens += 1
