@@ -85,6 +85,10 @@ class Metrics:
             "cachefs_served_reads", "READ requests the daemon answered itself; a file the "
             "kernel reads from its backing file (passthrough) or its page cache sends none",
             registry=r)
+        self.lookups = Counter(
+            "cachefs_lookups", "LOOKUP requests: names the kernel did not hold, or held past "
+            "--revalidate; names a listing gave with their attributes (READDIRPLUS) need none",
+            registry=r)
         self.passthrough = Gauge(
             "cachefs_passthrough", "1 when the kernel reads local files itself (FUSE "
             "passthrough), 0 when the daemon serves every read", registry=r)

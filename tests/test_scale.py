@@ -70,6 +70,14 @@ def listing(root: Path) -> list[tuple[str, int, int, int]]:
     return sorted(found)
 
 
+def ls_lR(root: Path) -> list[str]:
+    """What ``ls -lRn`` prints of ``root``, but for the block counts ("total" lines): a
+    mount's are its own."""
+    ls = subprocess.run(["ls", "-lRn", "--time-style=+%s"], cwd=root, capture_output=True,
+                        text=True, check=True)
+    return [line for line in ls.stdout.splitlines() if not line.startswith("total ")]
+
+
 def test_listings_with_attributes_are_the_remotes_and_follow_its_changes(
         source, remote, mount_cachefs):
     make_tree(source, directories=3)
@@ -78,13 +86,7 @@ def test_listings_with_attributes_are_the_remotes_and_follow_its_changes(
     want = listing(source)
     assert listing(mount.path) == want  # names and attributes in one pass (READDIRPLUS)
     assert listing(mount.path) == want  # the kernel's cached listings
-    ls = subprocess.run(["ls", "-lRn", "--time-style=+%s"], cwd=mount.path,
-                        capture_output=True, text=True, check=True)
-    ls_remote = subprocess.run(["ls", "-lRn", "--time-style=+%s"], cwd=source,
-                               capture_output=True, text=True, check=True)
-    # (Block counts, ls's "total" lines, are the mount's own.)
-    assert [line for line in ls.stdout.splitlines() if not line.startswith("total ")] == [
-        line for line in ls_remote.stdout.splitlines() if not line.startswith("total ")]
+    assert ls_lR(mount.path) == ls_lR(source)
 
     # A directory's listing changes on the remote: seen after the interval, not before it
     # ends and never a mix of the two listings.
@@ -96,3 +98,22 @@ def test_listings_with_attributes_are_the_remotes_and_follow_its_changes(
     new = next(row for row in after if row[0] == "d01/new.bin")
     assert new[1:3] == (stat.S_IFREG | 0o644, 3)
     assert (mount.path / "d01" / "new.bin").read_bytes() == b"new"
+
+
+def test_ls_lR_repeated_after_the_interval_takes_the_attributes_with_the_listings(
+        source, remote, mount_cachefs):
+    """`ls -lR` again once the interval has passed: the names are due, and read from the
+    kernel's cached listings each would be looked up on its own (a request per file); the
+    directories are listed again instead, the attributes coming with the names, a page of
+    them per request.  A file changed meanwhile shows its new size."""
+    make_tree(source, directories=2)  # 1,000 files, several pages of a listing each
+    mount = mount_cachefs(remote.path, revalidate=1)
+    assert ls_lR(mount.path) == ls_lR(source)
+    (source / "d01" / "0003-nnn.bin").write_bytes(b"grown" * 1000)
+    time.sleep(1.5)  # every name is due
+    before = mount.metric("cachefs_lookups_total")
+    again = ls_lR(mount.path)
+    assert again == ls_lR(source)
+    assert any(" 5000 " in line and line.endswith(" 0003-nnn.bin") for line in again)
+    # Read from the cached listings: a LOOKUP per name (1,000).
+    assert mount.metric("cachefs_lookups_total") - before < 50

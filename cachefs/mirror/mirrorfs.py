@@ -109,6 +109,19 @@ class Opened:
         return not self.passthrough and not self.served
 
 
+@dataclass(eq=False, slots=True)
+class Listing:
+    """The kernel's cached listing of a directory: the directory's version (mtime, ctime)
+    it was read at, when it was read, and whether walks of it stat its names (``ls -l``:
+    the kernel looked names up in it or asked for their attributes past the first page),
+    carried over to the next listing.  Changes under ``MirrorFS._lock`` only, but for
+    ``stats_names``, a hint (``MirrorFS._names_stated``)."""
+
+    version: tuple[int, int]
+    listed_at: float
+    stats_names: bool = False
+
+
 _HIT = ("hit", "cache")
 
 
@@ -227,8 +240,8 @@ class MirrorFS:
     """The FUSE requests of one cachefs mount.
 
     Thread safety: ``_lock`` guards ``_opened``, ``_handles``, the handle table, ``_held``,
-    ``_dir_paths`` and the counters of every Opened and Backing; the node table has its own
-    lock; everything else is the tree's.
+    ``_dir_paths``, ``_listed``, ``_last_listing`` and the counters of every Opened and
+    Backing; the node table has its own lock; everything else is the tree's.
     """
 
     def __init__(self, tree: CachedTree, *, on_mounted, metrics,
@@ -238,6 +251,7 @@ class MirrorFS:
         self._on_mounted = on_mounted
         self._open_seconds = metrics.open_seconds
         self._served_reads = metrics.served_reads
+        self._lookups = metrics.lookups
         self.session: Session | None = None
         self.passthrough = False
         self._lock = threading.Lock()
@@ -252,8 +266,9 @@ class MirrorFS:
         self.backing_ids_closed = 0
         # An open directory's entries (None: not listed yet, the kernel has them cached).
         self._dirs: dict[int, list[tuple[bytes, int]] | None] = {}
-        # Per directory node: the version (mtime, ctime) the kernel's cached listing is of.
-        self._listed: dict[int, tuple[int, int]] = {}
+        # Per directory node: the listing the kernel has cached.
+        self._listed: dict[int, Listing] = {}
+        self._last_listing: Listing | None = None  # the one read from the remote last
         self._max_held = max_held
         # Without passthrough (until INIT says otherwise) each held file is a descriptor.
         self._held = HeldFiles(min(max_held or MAX_HELD_DESCRIPTORS, _max_held_descriptors()))
@@ -348,6 +363,7 @@ class MirrorFS:
     # -- names ----------------------------------------------------------------------------
 
     def lookup(self, req: Request, parent: int, name: bytes) -> bytes:
+        self._lookups.inc()
         directory = self._dir_path(parent)
         if self.nodes.get(parent) is None:
             raise OSError(errno.ESTALE, "unknown node")
@@ -355,6 +371,8 @@ class MirrorFS:
         relpath = f"{directory}/{text}" if directory else text
         attr = self.tree.getattr(relpath)
         nodeid = self.nodes.lookup(parent, name, attr)
+        if not attr.is_dir:  # a walk looks directories up to enter them, stat or not
+            self._names_stated(parent, now=True)
         timeout = 0.0 if is_control_entry(relpath) else self._timeout(relpath)
         return p.entry_out(nodeid, 0, timeout, timeout, _pack(nodeid, attr))
 
@@ -391,13 +409,25 @@ class MirrorFS:
         was listed at, as an NFS client does: a repeated walk costs one attribute check per
         directory, not a listing of the remote.  Only the version is kept here, per directory
         node, not the listing: the kernel holds that.  The listing itself is read at the first
-        READDIR, which says whether the attributes are wanted with the names."""
+        READDIR, which says whether the attributes are wanted with the names.
+
+        A listing whose names' attributes the kernel wanted is not kept past the interval:
+        its names are due by then, and read again from a cached listing each would cost a
+        LOOKUP of its own (``ls -lR`` repeated a minute later: a request per file), where
+        listed again they come with their attributes, a page of them per request."""
         node = self._node(nodeid)
         version = self._dir_version(node.relpath)
         fh = next(self._fhs)
+        now = time.monotonic()
+        interval = self.tree.attrs.interval
         with self._lock:
-            unchanged = self._listed.get(nodeid) == version
-            self._listed[nodeid] = version
+            listing = self._listed.get(nodeid)
+            unchanged = listing is not None and listing.version == version and not (
+                listing.stats_names and interval is not None
+                and now - listing.listed_at >= interval)
+            if not unchanged:
+                self._listed[nodeid] = Listing(version, now, listing is not None
+                                               and listing.stats_names)
             self._dirs[fh] = None
         return p.open_out(fh, p.FOPEN_CACHE_DIR | (p.FOPEN_KEEP_CACHE if unchanged else 0))
 
@@ -415,13 +445,16 @@ class MirrorFS:
         if entries is None:
             relpath = self._node(nodeid).relpath
             # Names only for a walk that does not stat them; with their attributes once the
-            # kernel asks for them past the first page (its lookups showed they are wanted).
-            entries = [(os.fsencode(name), mode) for name, mode in
-                       self.tree.listdir(relpath, with_attrs=plus and offset > 0)]
+            # kernel asks for them past the first page (its lookups showed they are wanted),
+            # or from the first page when the last walk of this directory stat its names.
+            entries = [(os.fsencode(name), mode) for name, mode in self.tree.listdir(
+                relpath, with_attrs=plus and (offset > 0 or self._walk_stats_names(nodeid)))]
             with self._lock:
                 if fh in self._dirs:
                     self._dirs[fh] = entries
         if plus:
+            if offset > 0:
+                self._names_stated(nodeid, now=True)
             return self._readdirplus(nodeid, entries, offset, size)
         out = []
         used = 0
@@ -434,6 +467,28 @@ class MirrorFS:
             out.append(record)
             used += len(record)
         return b"".join(out)
+
+    def _walk_stats_names(self, nodeid: int) -> bool:
+        """Whether the walk about to read this directory's listing will stat its names: the
+        last walk of it did, or the directory listed before it had its names stat'ed (``ls
+        -lR`` going from one directory to the next), so that the first page comes with the
+        attributes too, not a LOOKUP per name."""
+        stated = self._names_stated(nodeid)
+        with self._lock:
+            last, self._last_listing = self._last_listing, self._listed.get(nodeid)
+        return stated or (last is not None and last.stats_names)
+
+    def _names_stated(self, nodeid: int, now: bool = False) -> bool:
+        """Whether walks of the directory stat its names; ``now``: this one does (a LOOKUP in
+        it, or READDIRPLUS past the first page).  Once seen, for as long as the kernel holds
+        the directory: at worst a walk that does not stat them (``find``) has the directory
+        listed with the attributes once per interval."""
+        listing = self._listed.get(nodeid)
+        if listing is None:
+            return False
+        if now and not listing.stats_names:
+            listing.stats_names = True  # a hint: set without the lock, a lost update is harmless
+        return listing.stats_names
 
     def _readdirplus(self, parent: int, entries: list[tuple[bytes, int]], offset: int,
                      size: int) -> bytes:

@@ -298,6 +298,11 @@ class AttrCache:
                 del self._entries[old]
 
     @property
+    def interval(self) -> float | None:
+        """Seconds attributes are trusted for (``--revalidate``); None: for ever."""
+        return self._ttl
+
+    @property
     def entries(self) -> int:
         return len(self._entries)
 
