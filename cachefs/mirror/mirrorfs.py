@@ -241,7 +241,8 @@ class MirrorFS:
 
     Thread safety: ``_lock`` guards ``_opened``, ``_handles``, the handle table, ``_held``,
     ``_dir_paths``, ``_listed``, ``_last_listing`` and the counters of every Opened and
-    Backing; the node table has its own lock; everything else is the tree's.
+    Backing; the node table has its own lock, a leaf (taken under ``_lock``, never the other
+    way round); everything else is the tree's.
     """
 
     def __init__(self, tree: CachedTree, *, on_mounted, metrics,
@@ -350,8 +351,15 @@ class MirrorFS:
     def _dir_path(self, nodeid: int) -> str:
         path = self._dir_paths.get(nodeid)
         if path is None:
+            info = self.nodes.get(nodeid)
             path = self._node(nodeid).relpath
             with self._lock:
+                # Remembered only while the id names the directory the path was worked out
+                # for: a FORGET of it meanwhile (the id then given to another directory)
+                # must not leave the old path under the id.
+                now = self.nodes.get(nodeid)
+                if info is None or now is None or now[:2] != info[:2]:
+                    return path
                 if len(self._dir_paths) >= MAX_DIR_PATHS:
                     self._dir_paths = {ROOT_ID: ""}
                 self._dir_paths[nodeid] = path
