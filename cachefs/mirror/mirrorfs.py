@@ -113,7 +113,7 @@ class Opened:
 class Listing:
     """The kernel's cached listing of a directory: the directory's version (mtime, ctime)
     it was read at, when it was read, and whether walks of it stat its names (``ls -l``:
-    the kernel looked names up in it or asked for their attributes past the first page),
+    the kernel looked files up in it or asked for their attributes past the first page),
     carried over to the next listing.  Changes under ``MirrorFS._lock`` only, but for
     ``stats_names``, a hint (``MirrorFS._names_stated``)."""
 
@@ -380,7 +380,7 @@ class MirrorFS:
         attr = self.tree.getattr(relpath)
         nodeid = self.nodes.lookup(parent, name, attr)
         if not attr.is_dir:  # a walk looks directories up to enter them, stat or not
-            self._names_stated(parent, now=True)
+            self._names_stated(parent, seen=True)
         timeout = 0.0 if is_control_entry(relpath) else self._timeout(relpath)
         return p.entry_out(nodeid, 0, timeout, timeout, _pack(nodeid, attr))
 
@@ -419,10 +419,10 @@ class MirrorFS:
         node, not the listing: the kernel holds that.  The listing itself is read at the first
         READDIR, which says whether the attributes are wanted with the names.
 
-        A listing whose names' attributes the kernel wanted is not kept past the interval:
-        its names are due by then, and read again from a cached listing each would cost a
-        LOOKUP of its own (``ls -lR`` repeated a minute later: a request per file), where
-        listed again they come with their attributes, a page of them per request."""
+        A listing whose names walks stat (``Listing.stats_names``) is not kept past the
+        interval: its names are due by then, and read again from a cached listing each would
+        cost a LOOKUP of its own (``ls -lR`` repeated a minute later: a request per file),
+        where listed again they come with their attributes, a page of them per request."""
         node = self._node(nodeid)
         version = self._dir_version(node.relpath)
         fh = next(self._fhs)
@@ -462,7 +462,7 @@ class MirrorFS:
                     self._dirs[fh] = entries
         if plus:
             if offset > 0:
-                self._names_stated(nodeid, now=True)
+                self._names_stated(nodeid, seen=True)
             return self._readdirplus(nodeid, entries, offset, size)
         out = []
         used = 0
@@ -486,15 +486,15 @@ class MirrorFS:
             last, self._last_listing = self._last_listing, self._listed.get(nodeid)
         return stated or (last is not None and last.stats_names)
 
-    def _names_stated(self, nodeid: int, now: bool = False) -> bool:
-        """Whether walks of the directory stat its names; ``now``: this one does (a LOOKUP in
-        it, or READDIRPLUS past the first page).  Once seen, for as long as the kernel holds
-        the directory: at worst a walk that does not stat them (``find``) has the directory
-        listed with the attributes once per interval."""
+    def _names_stated(self, nodeid: int, seen: bool = False) -> bool:
+        """Whether walks of the directory stat its names; ``seen``: this one does (a LOOKUP
+        of a file in it, or READDIRPLUS past the first page).  Once seen, for as long as the
+        kernel holds the directory: at worst a walk that does not stat them (``find``) has
+        the directory listed with the attributes once per interval."""
         listing = self._listed.get(nodeid)
         if listing is None:
             return False
-        if now and not listing.stats_names:
+        if seen and not listing.stats_names:
             listing.stats_names = True  # a hint: set without the lock, a lost update is harmless
         return listing.stats_names
 
