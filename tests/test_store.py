@@ -17,6 +17,7 @@ from cachefs.attr import Attr, Version
 from cachefs.errors import CacheCorrupt, RemoteChanged, RemoteUnavailable, UsageError
 from cachefs.kernel import protocol
 from cachefs.kernel.session import Request, Session
+from cachefs.metrics import Metrics
 from cachefs.mirror.mirrorfs import MirrorFS
 from cachefs.service.config import build_settings, parse_metrics_addr
 from cachefs.sizes import parse_size
@@ -243,8 +244,7 @@ class _RaisingTree:
 def test_adapter_maps_exceptions_to_errnos(exc, code, caplog):
     """What the kernel is answered when a lookup fails, through the session's real reply
     path (into a pipe instead of /dev/fuse); only a bug is logged with its traceback."""
-    metrics = type("M", (), {"open_seconds": None, "served_reads": None})()
-    session = Session(MirrorFS(_RaisingTree(exc), on_mounted=lambda c: None, metrics=metrics))
+    session = Session(MirrorFS(_RaisingTree(exc), on_mounted=lambda c: None, metrics=Metrics()))
     read_end, session.fd = os.pipe()
     try:
         session._lookup(Request(7, protocol.ROOT_ID, 0, 0, 0), memoryview(b"x\0"))
