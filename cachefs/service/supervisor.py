@@ -195,7 +195,10 @@ class Supervisor:
         if self._fd is not None:
             kmount.unmount(self.mountpoint)
         elif self._child:
-            os.kill(self._child, signal.SIGTERM)  # still starting: nothing mounted yet
+            try:
+                os.kill(self._child, signal.SIGTERM)  # still starting: nothing mounted yet
+            except ProcessLookupError:
+                pass  # it ended, and the wait this signal interrupted has reaped it
 
     def _run_child(self, succession: Succession, wake_read: int) -> int:
         """Fork a child, take what it reports, and wait for it; its exit code (128 + the
