@@ -67,7 +67,7 @@ from cachefs.errors import errno_for
 from cachefs.kernel import protocol as p
 from cachefs.kernel.session import Connection, Request, Session
 from cachefs.mirror import handles as h
-from cachefs.mirror.nodes import ROOT_ID, NodeTable
+from cachefs.mirror.nodes import ROOT_ID, NodeInfo, NodeTable
 from cachefs.mirror.tree import CachedTree, Located, is_control_entry
 
 log = logging.getLogger(__name__)
@@ -339,26 +339,33 @@ class MirrorFS:
         return self._held.max_files
 
     def _node(self, nodeid: int) -> Node:
+        info = self._info(nodeid)
+        if nodeid == ROOT_ID:
+            return Node(nodeid, "", info.attr)
+        return Node(nodeid, self._relpath(info), info.attr)
+
+    def _info(self, nodeid: int) -> NodeInfo:
         info = self.nodes.get(nodeid)
         if info is None:  # forgotten: the kernel should not ask; it looks the name up again
             raise OSError(errno.ESTALE, "unknown node")
-        if nodeid == ROOT_ID:
-            return Node(nodeid, "", info.attr)
+        return info
+
+    def _relpath(self, info: NodeInfo) -> str:
         parent = self._dir_path(info.parent)
         name = os.fsdecode(info.name)
-        return Node(nodeid, f"{parent}/{name}" if parent else name, info.attr)
+        return f"{parent}/{name}" if parent else name
 
     def _dir_path(self, nodeid: int) -> str:
-        path = self._dir_paths.get(nodeid)
+        path = self._dir_paths.get(nodeid)  # the root's is always there
         if path is None:
-            info = self.nodes.get(nodeid)
-            path = self._node(nodeid).relpath
+            info = self._info(nodeid)
+            path = self._relpath(info)
             with self._lock:
                 # Remembered only while the id names the directory the path was worked out
                 # for: a FORGET of it meanwhile (the id then given to another directory)
                 # must not leave the old path under the id.
                 now = self.nodes.get(nodeid)
-                if info is None or now is None or now[:2] != info[:2]:
+                if now is None or now[:2] != info[:2]:
                     return path
                 if len(self._dir_paths) >= MAX_DIR_PATHS:
                     self._dir_paths = {ROOT_ID: ""}
