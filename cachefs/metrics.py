@@ -128,6 +128,12 @@ class Metrics:
             "hold (bounded by --attr-cache-entries)", registry=r)
         self.attr_cache_capacity_entries = Gauge(
             "cachefs_attr_cache_capacity_entries", "--attr-cache-entries", registry=r)
+        self.held_files = Gauge(
+            "cachefs_held_files", "Cached files kept registered with the kernel between opens "
+            "(bounded by cachefs_held_files_max)", registry=r)
+        self.held_files_max = Gauge(
+            "cachefs_held_files_max", "--held-files, or the default sized from the memory the "
+            "daemon may use", registry=r)
         self.nodes = Gauge(
             "cachefs_nodes", "Nodes the kernel holds (files and directories looked up, not yet "
             "forgotten)", registry=r)

@@ -8,6 +8,7 @@ import os
 import random
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,6 +57,62 @@ def test_a_tree_larger_than_every_bound_is_read_twice_with_the_right_bytes(
     assert mount.metric("cachefs_attr_cache_capacity_entries") == 1000
     # The kernel forgot its nodes: the table holds what it still references, not every file.
     assert mount.metric("cachefs_nodes") < len(files) / 2
+
+
+def test_the_held_files_bound_is_a_share_of_the_memory_the_daemon_may_use(
+        source, remote, mount_cachefs):
+    from cachefs.service.memory import default_held_files, memory_limit_bytes
+
+    (source / "f.bin").write_bytes(b"x")
+    mount = mount_cachefs(remote.path)
+    if not mount.status()["data_path"].startswith("kernel passthrough"):
+        pytest.skip("held files are descriptors of the daemon's without passthrough")
+    held_max = mount.status()["memory"]["held_files_max"]
+    assert held_max == default_held_files() == \
+        max(65536, min(10_000_000, memory_limit_bytes() // 64 // 2048))
+    assert mount.metric("cachefs_held_files_max") == held_max
+    shown = subprocess.run([sys.executable, "-m", "cachefs", "status", str(mount.path)],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert f"(at most {held_max:,})" in shown
+    # Given, it is what is given.
+    mount.stop()
+    mount = mount_cachefs(remote.path, name="given", held_files=1000)
+    assert mount.status()["memory"]["held_files_max"] == 1000
+
+
+def test_the_memory_limit_is_the_lowest_of_the_cgroups_above(tmp_path):
+    from cachefs.service.memory import _cgroup_limit_bytes, default_held_files
+
+    membership = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    (v2 / "pods" / "pod1" / "cachefs").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
+    (v2 / "pods" / "memory.max").write_text(f"{64 << 30}\n")
+    (v2 / "pods" / "pod1" / "memory.max").write_text(f"{16 << 30}\n")
+    (v2 / "pods" / "pod1" / "cachefs" / "memory.max").write_text("max\n")
+    membership.write_text("0::/pods/pod1/cachefs\n")
+    assert _cgroup_limit_bytes(v2, membership) == 16 << 30
+    assert default_held_files(16 << 30) == 131072
+    # In a container the cgroup it is in is the root it sees.
+    container = tmp_path / "container"
+    container.mkdir()
+    (container / "cgroup.controllers").write_text("cpu memory\n")
+    (container / "memory.max").write_text("max\n")
+    membership.write_text("0::/elsewhere/cachefs\n")
+    assert _cgroup_limit_bytes(container, membership) is None
+    (container / "memory.max").write_text(f"{4 << 30}\n")
+    assert _cgroup_limit_bytes(container, membership) == 4 << 30
+    assert default_held_files(4 << 30) == 65536  # the floor
+
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "unit").mkdir(parents=True)
+    (v1 / "memory" / "unit" / "memory.limit_in_bytes").write_text(f"{32 << 30}\n")
+    membership.write_text("4:memory:/unit\n0::/\n")
+    assert _cgroup_limit_bytes(v1, membership) == 32 << 30
+    (v1 / "memory" / "unit" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert _cgroup_limit_bytes(v1, membership) is None  # v1's "no limit"
+    membership.write_text("garbage\n")
+    assert _cgroup_limit_bytes(v1, membership) is None
 
 
 def listing(root: Path) -> list[tuple[str, int, int, int]]:

@@ -91,6 +91,13 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                    + f"{format_bytes(read['remote'])} from remote"),
         ("remote read", format_bytes(st["remote_read_bytes"])),
     ]
+    memory = st.get("memory")
+    if memory:
+        rows.append(("memory", f"{memory['nodes']:,} nodes the kernel holds; attributes of "
+                               f"{memory['attr_cache_entries']:,} names "
+                               f"(at most {memory['attr_cache_capacity_entries']:,}); "
+                               f"{memory['held_files']:,} files held registered "
+                               f"(at most {memory['held_files_max']:,})"))
     verification = st.get("verification")
     if verification:
         rows.append(("verified", _verification(verification)))

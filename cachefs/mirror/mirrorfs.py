@@ -20,7 +20,7 @@ registered as a backing file and named in the reply: the kernel reads it, no REA
 here.  The cache's files stay registered across opens (``HeldFiles``), so an open of a
 cached file costs one OPEN and one RELEASE round trip.  Once registered, a file is the
 kernel's to hold (it keeps its own reference): no descriptor of ours stays open for it, and
-what bounds how many are held is the kernel's memory for them (DEFAULT_MAX_HELD), not our
+what bounds how many are held is the memory they cost the kernel (``max_held``), not our
 limit of descriptors.  Without passthrough the same local file is read here with pread, and
 the kernel keeps the pages of a node from one open to the next (a node is one version).
 A file with no single local file (a large file not wholly cached) is read here chunk by
@@ -74,9 +74,10 @@ log = logging.getLogger(__name__)
 
 # Open flags that would write: the mirror is read-only (the mount is "ro" too).
 _WRITING = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
-# Cache files kept registered with the kernel across opens, with passthrough: each costs the
-# kernel an open file of its own (a struct file and its backing record, under a kilobyte; the
-# dentry and inode are cached anyway), so 65,536 cost it some 64 MiB at most.
+# Cache files kept registered with the kernel across opens, with passthrough, unless told:
+# each costs the kernel an open file of its own and keeps the cache file's dentry and inode
+# from reclaim (about 1.5 KiB), so 65,536 cost it some 100 MiB.  The service sizes the bound
+# from the memory it may use, this at least (service/memory.py).
 DEFAULT_MAX_HELD = 65536
 # Without passthrough each held file is a descriptor of ours: a share of our limit on them.
 MAX_HELD_DESCRIPTORS = 32768

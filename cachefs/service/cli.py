@@ -61,8 +61,8 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         "hold (a listing's, a hint's) remembered at most, about 200 bytes each "
                         "(default 200000)")
     parser.add_argument("--held-files", help="cached files kept registered with the kernel "
-                        "between opens, under 1 KiB of kernel memory each (default 65536 with "
-                        "passthrough)")
+                        "between opens, about 2 KiB of memory each (default: a 64th of the "
+                        "machine's or the cgroup's memory, 65536 at least)")
     parser.add_argument("--staging-size", help="memory for prefetched files the cache does not "
                         "keep (default 512MiB)")
     parser.add_argument("--allow-other", action="store_true", default=None,

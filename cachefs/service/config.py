@@ -147,7 +147,8 @@ def _whole_number(low: int, high: int) -> Callable[[Any], int]:
 
 
 _entries = _whole_number(1000, 100_000_000)
-_held_files = _whole_number(64, 10_000_000)
+MAX_HELD_FILES = 10_000_000
+_held_files = _whole_number(64, MAX_HELD_FILES)
 _concurrency = _whole_number(1, 1024)
 
 

@@ -59,6 +59,7 @@ from cachefs.remote.origin import RemoteOrigin
 from cachefs.remote.remote import Remote
 from cachefs.service import heap, sdnotify
 from cachefs.service.config import Settings
+from cachefs.service.memory import default_held_files
 from cachefs.service.supervisor import Succession
 from cachefs.store.admission import ClusterAdmission, FractionAdmission
 from cachefs.store.store import CacheStore
@@ -254,8 +255,11 @@ class Daemon:
         taking_over = self._taking_over
         nodes, handles = self._tables(taking_over)
         self.fs = MirrorFS(self.tree, on_mounted=self._on_mounted, metrics=self.metrics,
-                           nodes=nodes, handles=handles, max_held=s.held_files)
+                           nodes=nodes, handles=handles,
+                           max_held=s.held_files or default_held_files())
         self.metrics.bind_gauge(self.metrics.nodes, lambda: len(nodes))
+        self.metrics.bind_gauge(self.metrics.held_files, lambda: self.fs.held_files)
+        self.metrics.bind_gauge(self.metrics.held_files_max, lambda: self.fs.max_held_files)
         self.store.on_dropped = lambda key, version: self.fs.drop_held(os.fsdecode(key),
                                                                        version)
         session = self.session = Session(self.fs, want_passthrough=s.passthrough != "off",
