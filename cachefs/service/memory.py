@@ -2,8 +2,8 @@
 
 A held file (mirrorfs.HeldFiles: a cache file kept registered with the kernel between opens)
 saves each open of it a registration, an index query and an open of the cache file: at
-100,000 cached files read each pass, 190 us of daemon CPU per file with all of them held
-against 310 - 380 us with 65,536 held.  What it costs is memory, most of it the kernel's (an
+100,000 cached files read each pass, 178 - 245 us of daemon CPU per file with all of them
+held against 472 - 518 us with 65,536 held.  What it costs is memory, most of it the kernel's (an
 open file, the cache file's dentry and inode kept from reclaim) and some of the daemon's.  So
 the bound is a share of the memory the daemon may use: the machine's, or less where its
 cgroup (a systemd unit's MemoryMax, a pod's limit) says less, since the kernel charges the
