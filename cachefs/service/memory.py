@@ -58,21 +58,28 @@ def _cgroup_limit_bytes(root: Path = _CGROUP_ROOT,
             continue
         _, controllers, path = fields
         if controllers == "" and unified:
-            # A limit anywhere above us applies; in a container the walk ends at its own
-            # cgroup, which is the root it sees.
-            here, limits = root / path.lstrip("/"), []
-            while True:
-                limits.append(_read_limit(here / "memory.max"))
-                if here == root or root not in here.parents:
-                    break
-                here = here.parent
-            found = [limit for limit in limits if limit]
-            return min(found) if found else None
+            return _v2_limit(root, root / path.lstrip("/"))
         if "memory" in controllers.split(","):
-            for here in (root / "memory" / path.lstrip("/"), root / "memory"):
-                if (here / "memory.limit_in_bytes").exists():
-                    return _read_limit(here / "memory.limit_in_bytes")
-            return None
+            return _v1_limit(root / "memory", path.lstrip("/"))
+    return None
+
+
+def _v2_limit(root: Path, here: Path) -> int | None:
+    """A limit anywhere above ``here`` applies; in a container the walk ends at its own
+    cgroup, which is the root it sees."""
+    limits = [_read_limit(here / "memory.max")]
+    while here != root and root in here.parents:
+        here = here.parent
+        limits.append(_read_limit(here / "memory.max"))
+    found = [limit for limit in limits if limit]
+    return min(found) if found else None
+
+
+def _v1_limit(hierarchy: Path, path: str) -> int | None:
+    # In a container the cgroup's own directory is the hierarchy's root.
+    for here in (hierarchy / path, hierarchy):
+        if (here / "memory.limit_in_bytes").exists():
+            return _read_limit(here / "memory.limit_in_bytes")
     return None
 
 
