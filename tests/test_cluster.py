@@ -7,6 +7,7 @@ remote's."""
 from __future__ import annotations
 
 import http.server
+import itertools
 import json
 import os
 import socket
@@ -457,19 +458,23 @@ def test_kill_9_of_a_serving_process_during_peer_fetches_serves_nothing_wrong(
     from cachefs.peer import ring
     from tests.test_restart import Readers, _kill_serving
 
-    rng = random.Random(21)
-    paths = []
-    for number in range(8):
-        rel = f"shards/s{number:02d}.bin"
-        (source / rel).parent.mkdir(exist_ok=True)
-        (source / rel).write_bytes(rng.randbytes(3 * 2**20 + number))
-        paths.append(rel)
     listen = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    # Four files each node owns: the ring's split of any fixed names depends on the ports.
+    theirs, ours = [], []
+    for number in itertools.count():
+        rel = f"shards/s{number:02d}.bin"
+        side = theirs if ring.owner(listen, rel) == listen[1] else ours
+        if len(side) < 4:
+            side.append(rel)
+        if len(theirs) == len(ours) == 4:
+            break
+    paths = sorted(theirs + ours)
+    rng = random.Random(21)
+    (source / "shards").mkdir(exist_ok=True)
+    for number, rel in enumerate(paths):
+        (source / rel).write_bytes(rng.randbytes(3 * 2**20 + number))
     asker, owner = start_cluster("kill", nodes=2, listen=listen, cache_size="64M",
                                  peer_timeout=5)
-    theirs = [rel for rel in paths if ring.owner(listen, rel) == listen[1]]
-    ours = [rel for rel in paths if rel not in theirs]
-    assert theirs and ours, theirs
     remote.configure(bandwidth_mbps=2)  # a file of 3 MiB takes the owner a second and more
     plan = [("read", theirs), ("read", theirs), ("read", theirs), ("read", ours)]
     readers = Readers(asker.path, source, plan, seconds=10)
