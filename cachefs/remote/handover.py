@@ -267,8 +267,10 @@ class RemoteFiles:
 
 def _send_checked(src: int, out: int, version: Version) -> None:
     """Copy the whole remote file ``src`` into ``out`` in the kernel; RemoteChanged unless it
-    is version ``version`` before and after (so no mix of two versions is ever stored)."""
-    _check_version(src, version)
+    is version ``version`` after the copy.  ``src`` was that version when it was opened
+    (Remote.open_file checks it), and a write since, before the copy or during it, changes
+    the size or mtime read after it: so no mix of two versions is ever stored, with one
+    check, not one on each side (each a turn at the interpreter lock)."""
     offset = 0
     while offset < version.size:
         try:
