@@ -6,9 +6,12 @@ more at once only make the daemon's threads take turns at its interpreter lock: 
 small file from a local tree costs the daemon twice the CPU with 16 at once as with 2, and
 goes slower.  Neither can be known before the warm starts, so it is measured as it goes:
 the rate at the concurrency in use is compared with the rate at double (or half) of it, in
-turns; a change is kept when it is faster, or, for fewer at once, no slower.  After a
-probe that is not kept, the next one goes the other way, a while later, so that the warm
-follows a remote whose speed changes.
+turns; a change is kept when it is faster, or, for fewer at once, no slower.  A probe that
+is not kept is followed at once by one the other way: only when neither way pays does the
+warm stay where it is for a while (and probe again later, so that it follows a remote whose
+speed changes).  Staying after the first failed probe instead kept a warm from a fast remote
+at the starting concurrency for its first seconds: at 50,000 files, 3,126 files/s at 356 us
+of daemon CPU per file, where one at a time ran at 4,371 and 228 us.
 
 Thread safety: used by one thread.
 """
@@ -37,6 +40,7 @@ class ConcurrencyTuner:
         self._kept = self.current  # the concurrency a probe is compared with
         self._kept_rate = 0.0
         self._up = True  # which way the next probe goes
+        self._failed_ways = 0  # probes from the kept concurrency not kept, since it was found
         self._windows_to_stay = 0
         self._window_started: float | None = None
         self._window_answers = 0
@@ -68,19 +72,27 @@ class ConcurrencyTuner:
         wanted = FASTER if self.current > self._kept else NOT_SLOWER
         if rate >= self._kept_rate * wanted:
             self._kept, self._kept_rate = self.current, rate
+            self._failed_ways = 0
             self._probe(now)  # on the same way, while it pays
         else:
-            self._up = not self._up
-            self._windows_to_stay = STAY_WINDOWS
+            self._turn()
             self._change(self._kept, now)
 
     def _probe(self, now: float) -> None:
         target = min(self.maximum, self.current * 2) if self._up else max(1, self.current // 2)
-        if target == self.current:  # at a bound: the other way, later
-            self._up = not self._up
-            self._windows_to_stay = STAY_WINDOWS
+        if target == self.current:  # at a bound: this way does not pay either
+            self._turn()
             return
         self._change(target, now)
+
+    def _turn(self) -> None:
+        """This way did not pay: the other way next.  Right after the kept concurrency was
+        found (by the first probe from it), after one window there, its rate measured again;
+        once neither way paid from it, after a while, and from then on one probe a while."""
+        self._up = not self._up
+        self._failed_ways += 1
+        if self._failed_ways >= 2:
+            self._windows_to_stay = STAY_WINDOWS
 
     def _change(self, concurrency: int, now: float) -> None:
         self.current = concurrency
