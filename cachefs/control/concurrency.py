@@ -86,9 +86,9 @@ class ConcurrencyTuner:
         self._change(target, now)
 
     def _turn(self) -> None:
-        """This way did not pay: the other way next.  Right after the kept concurrency was
-        found (by the first probe from it), after one window there, its rate measured again;
-        once neither way paid from it, after a while, and from then on one probe a while."""
+        """This way did not pay: the next probe goes the other way.  The first time from the
+        concurrency kept, after one window there (its rate measured again); once both ways
+        failed from it, after STAY_WINDOWS, and so after every failed probe from then on."""
         self._up = not self._up
         self._failed_ways += 1
         if self._failed_ways >= 2:
