@@ -101,10 +101,10 @@ def emulator_snapshot(stats: dict) -> Snapshot:
 def daemon_cpu_snapshot(pid: int | None) -> Snapshot:
     """The daemon's CPU (user + system, all threads): what one file read through it costs is
     the figure the data path is designed around."""
-    from bench.emulator.remote import process_cpu_seconds
+    from bench.emulator.remote import process_tree_cpu_seconds
 
     try:
-        return {"cachefs_cpu_seconds": process_cpu_seconds(pid)} if pid else {}
+        return {"cachefs_cpu_seconds": process_tree_cpu_seconds(pid)} if pid else {}
     except OSError:  # the daemon is gone: the epoch fails on its own
         return {}
 

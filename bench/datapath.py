@@ -55,7 +55,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.driver import drop_page_cache
-from bench.emulator.remote import EmulatedRemote
+from bench.emulator.remote import EmulatedRemote, process_tree_cpu_seconds
 from bench.mounts import REPO, CachefsMount, ScratchDisk
 from cachefs.sizes import parse_size
 
@@ -65,14 +65,12 @@ KEPT_PATHS = ("fill", "cached", "warm", "client")
 NOT_KEPT_PATHS = ("not kept", "prefetched", "client not kept")
 CLIENT_BATCH = 64
 VARIANTS = {name: ("--passthrough", name) for name in ("auto", "local", "off")}
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (threads included)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    """User + system CPU seconds of process ``pid`` so far, its threads and the processes it
+    started (fill processes) included."""
+    return process_tree_cpu_seconds(pid)
 
 
 def _read_files(paths: list[str]) -> int:

@@ -186,6 +186,31 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process pid and every process it started (a daemon's
+    fill processes): the live ones from their own /proc/PID/stat, the ended ones from the
+    parent's account of its waited-for children (cutime and cstime)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    total = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return total
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = f.read().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                total += process_tree_cpu_seconds(int(child))
+            except OSError:  # ended meanwhile: counted once waited for
+                pass
+    return total
+
+
 def _tail(log_path: Path, start: int, limit: int = 4000) -> str:
     """What the daemon wrote to its log since offset start, at most the last limit bytes."""
     try:
