@@ -28,6 +28,8 @@ reported as ranges (this machine is shared and noisy):
 * ``local``: ``--passthrough local``: the kernel reads local files; the daemon reads the
   remote (every remote byte through Python, bounded by ``--remote-timeout``);
 * ``off``: ``--passthrough off`` (the daemon serves every read);
+* ``processes``: ``auto`` with ``--fill-processes 2`` (the kept files copied into the cache
+  by two processes of their own; their CPU is counted as the daemon's);
 
 and with ``--baseline TREE`` each variant also as another checkout's cachefs serves it
 (``auto@baseline``), in turns with this one's, so a change is measured before and after in
@@ -65,6 +67,8 @@ KEPT_PATHS = ("fill", "cached", "warm", "client")
 NOT_KEPT_PATHS = ("not kept", "prefetched", "client not kept")
 CLIENT_BATCH = 64
 VARIANTS = {name: ("--passthrough", name) for name in ("auto", "local", "off")}
+# The kept files' copies made by processes of their own, not threads of the daemon.
+VARIANTS["processes"] = ("--passthrough", "auto", "--fill-processes", "2")
 
 
 def cpu_seconds(pid: int) -> float:

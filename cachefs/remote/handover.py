@@ -8,10 +8,13 @@ every call the daemon makes on the remote), and the reader's reads go from the k
 NFS client.  A file the cache keeps is copied into the cache beside the reader, by the
 kernel too: ``sendfile`` from the same open remote file, so that a page the reader pulled and
 a page the copy pulled are fetched from the server once and shared through the remote file's
-page cache.  The store then computes the checksums over a map of the copy, checks the
-version again, renames it into place and indexes it (store.py ``fill``).
+page cache.  The store then computes the checksums of the copy, checks the version again,
+renames it into place and indexes it (store.py ``fill``).
 
 Fills run on threads of their own, never on a reader's: a reader never waits for a copy.
+With ``--fill-processes`` a reader's fill is copied and hashed by a process of its own
+instead (fillprocess.py: the daemon's interpreter lock is then not shared with the copies),
+and only renamed into place and indexed here; a prefetch's or a warm's stays on its thread.
 There is one fill per file version at a time, and a reader arriving while a file is being
 filled is handed the fill's own open file (one open on the remote, one fetch of its pages).
 A fill that cannot be queued (too many waiting) is skipped: the file is filled at a later
@@ -24,7 +27,7 @@ fill ended.  ``_waiting_copies`` is a hint any fill thread updates without it.
 
 from __future__ import annotations
 
-import errno
+import itertools
 import logging
 import os
 import queue
@@ -35,9 +38,11 @@ from typing import NamedTuple
 
 from cachefs import remotewait
 from cachefs.attr import Attr, Version
-from cachefs.errors import CachefsError, CacheUnavailable, RemoteChanged
+from cachefs.errors import CachefsError, RemoteChanged
+from cachefs.remote.copy import WAITING_COPIES_WINDOW, WAITING_COPY_SECONDS, send_checked
+from cachefs.remote.fillprocess import CHANGED, COPIED, DISK, FillProcesses, Outcome
 from cachefs.remote.remote import Remote
-from cachefs.store.store import CacheStore
+from cachefs.store.store import CacheStore, FillPlace
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +67,8 @@ FILL_THREADS = 8
 # cannot keep up with the readers are late rather than skipped.  A queued fill costs a
 # descriptor, and its remote file's pages stay cached a little longer.
 FILL_BACKLOG_PER_THREAD = 4
-# A copy that spent longer than this off the CPU waited on the remote: a round trip to an
-# NFS server is 0.5-5 ms; 64 KiB from a local disk, or from pages the remote's client
-# cached, 20-200 us.  The time off the CPU also counts turns at the interpreter lock and on
-# a busy run queue, which come in bursts: the share is averaged over WAITING_COPIES_WINDOW
-# copies.
-WAITING_COPY_SECONDS = 0.001
-WAITING_COPIES_WINDOW = 32
 # Fills waiting for a thread; past this a file is filled at a later open instead.
 MAX_QUEUED_FILLS = 4096
-# Errors of a copy that are the cache disk's, not the remote's.
-_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 
 
 class Handed(NamedTuple):
@@ -96,6 +92,8 @@ class _Fill:
     # Its bytes are counted as read from the remote already (a reader's, whose pages the
     # copy shares); else the copy counts them.
     counted: bool = False
+    # Where a fill process writes it, and the room held for it.
+    place: FillPlace | None = None
 
 
 class RemoteFiles:
@@ -103,11 +101,15 @@ class RemoteFiles:
     mount knows the kernel accepts backing files and the settings let it read the remote."""
 
     def __init__(self, remote: Remote, store: CacheStore, *,
-                 on_fill=lambda result: None) -> None:
+                 on_fill=lambda result: None, fill_processes: int = 0) -> None:
         self.enabled = False
         self._remote = remote
         self._store = store
         self._on_fill = on_fill
+        # Fills of readers' files go to processes of their own when asked (fillprocess.py).
+        self._processes = FillProcesses(fill_processes, self._filled_elsewhere) \
+            if fill_processes else None
+        self._placed = itertools.count(1)
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)  # notified as each fill ends
         self._fills: dict[tuple[bytes, Version], _Fill] = {}
@@ -123,6 +125,8 @@ class RemoteFiles:
             threads = list(self._threads)
         for _ in threads:
             self._queue.put(None)
+        if self._processes is not None:
+            self._processes.close()
 
     # -- for a reader ------------------------------------------------------------------------
 
@@ -194,27 +198,68 @@ class RemoteFiles:
 
     def _queue_fill(self, relpath: str, key: bytes, attr: Attr, reader_fd: int) -> None:
         ident = (key, attr.version)
+        thread = None
         with self._lock:
             if ident in self._fills or self._closed:
                 return
-            skipped = self._queued >= MAX_QUEUED_FILLS
+            backlog = self._queued if self._processes is None else len(self._fills)
+            skipped = backlog >= MAX_QUEUED_FILLS
             if not skipped:
                 fill = self._fills[ident] = _Fill(relpath, key, attr, os.dup(reader_fd),
                                                   counted=True)
-                self._queued += 1
-                thread = None
-                threads = len(self._threads)
-                if not threads or threads < FILL_THREADS and self._queued > threads * (
-                        FILL_BACKLOG_PER_THREAD if self._waiting_copies > 0.5
-                        else MAX_QUEUED_FILLS // FILL_THREADS):
-                    thread = threading.Thread(target=self._work, name="fill", daemon=True)
-                    self._threads.append(thread)
+                if self._processes is None:
+                    self._queued += 1
+                    thread = self._thread_wanted_locked()
         if skipped:
             self._on_fill("skipped")
+            return
+        if self._processes is not None:
+            self._send_to_process(fill)
             return
         self._queue.put(fill)
         if thread is not None:
             thread.start()
+
+    def _thread_wanted_locked(self) -> threading.Thread | None:
+        """A new fill thread (to be started), where the queue says one helps."""
+        threads = len(self._threads)
+        if not threads or threads < FILL_THREADS and self._queued > threads * (
+                FILL_BACKLOG_PER_THREAD if self._waiting_copies > 0.5
+                else MAX_QUEUED_FILLS // FILL_THREADS):
+            thread = threading.Thread(target=self._work, name="fill", daemon=True)
+            self._threads.append(thread)
+            return thread
+        return None
+
+    def _send_to_process(self, fill: _Fill) -> None:
+        place = self._store.place_fill(fill.key, fill.attr, f"p{next(self._placed)}")
+        if place is None:
+            self._on_fill("not_stored")
+            self._finish(fill)
+            return
+        fill.place = place
+        if not self._processes.submit(fill.fd, place.tmp, fill.attr.version, fill):
+            self._store.abandon_fill(place)
+            self._on_fill("skipped")
+            self._finish(fill)
+
+    def _filled_elsewhere(self, fill: _Fill, outcome: Outcome) -> None:
+        """A fill process's answer (on its answers thread): the copy put in place and
+        indexed, or let go."""
+        place = fill.place
+        try:
+            if outcome.kind == COPIED:
+                stored = self._store.install_placed(fill.key, fill.attr, place,
+                                                    outcome.checksums, outcome.allocated)
+                self._on_fill("stored" if stored else "not_stored")
+            else:
+                disk = OSError(outcome.errno, outcome.message) if outcome.kind == DISK else None
+                self._store.abandon_fill(place, disk)
+                self._on_fill({CHANGED: "changed", DISK: "not_stored"}.get(outcome.kind,
+                                                                          "failed"))
+                log.debug("fill of %s failed: %s", fill.relpath, outcome.message)
+        finally:
+            self._finish(fill)
 
     def _work(self) -> None:
         while (fill := self._queue.get()) is not None:
@@ -245,7 +290,7 @@ class RemoteFiles:
             self._remote.count_read(fill.attr.size)
         began, began_cpu = time.monotonic(), time.thread_time()
         try:
-            self._remote.call(_send_checked, fill.fd, out, fill.attr.version)
+            self._remote.call(send_checked, fill.fd, out, fill.attr.version)
         finally:
             waited = (time.monotonic() - began) - (time.thread_time() - began_cpu)
             self._waiting_copies += (float(waited > WAITING_COPY_SECONDS)
@@ -264,28 +309,7 @@ class RemoteFiles:
     def fills_under_way(self) -> int:
         return len(self._fills)
 
-
-def _send_checked(src: int, out: int, version: Version) -> None:
-    """Copy the whole remote file ``src`` into ``out`` in the kernel; RemoteChanged unless it
-    is version ``version`` after the copy.  ``src`` was that version when it was opened
-    (Remote.open_file checks it), and a write since, before the copy or during it, changes
-    the size or mtime read after it: so no mix of two versions is ever stored, with one
-    check, not one on each side (each a turn at the interpreter lock)."""
-    offset = 0
-    while offset < version.size:
-        try:
-            sent = os.sendfile(out, src, offset, version.size - offset)
-        except OSError as exc:
-            if exc.errno in _DISK_ERRNOS:
-                raise CacheUnavailable(f"writing the copy: {exc.strerror}") from exc
-            raise
-        if sent == 0:
-            raise RemoteChanged("the file is shorter than its attributes say")
-        offset += sent
-    _check_version(src, version)
-
-
-def _check_version(fd: int, version: Version) -> None:
-    st = os.fstat(fd)
-    if (st.st_size, st.st_mtime_ns) != version:
-        raise RemoteChanged("the file changed on the remote while being copied")
+    @property
+    def fill_processes(self) -> list[int]:
+        """The pids of the fill processes running (--fill-processes)."""
+        return self._processes.pids if self._processes is not None else []

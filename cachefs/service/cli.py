@@ -72,6 +72,9 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         "files and the remote's own file for a miss; 'local', local files only, "
                         "every remote byte through the daemon within --remote-timeout; 'off', "
                         "none, the daemon serves every read")
+    parser.add_argument("--fill-processes", help="processes copying the files kept into the "
+                        "cache as readers open them, with --passthrough auto (default 0: "
+                        "threads of the daemon)")
     parser.add_argument("--runtime-dir", help="directory of the control socket")
     parser.add_argument("--peers", help="a cluster: HOST:PORT of every node, comma-separated, "
                         "or dns:NAME:PORT (a headless Service); each file is cached by one "
@@ -187,8 +190,8 @@ def _complete_paths(parser: argparse.ArgumentParser) -> None:
 SETTING_FLAGS = ("backing", "mountpoint", "cache_dir", "cache_size", "fraction", "seed",
                  "metrics_addr", "revalidate", "remote_timeout", "prefetch_concurrency",
                  "attr_cache_entries", "held_files", "staging_size", "allow_other", "passthrough",
-                 "log_file", "runtime_dir", "peers", "peer_listen", "peer_address",
-                 "peer_secret_file", "peer_timeout")
+                 "fill_processes", "log_file", "runtime_dir", "peers", "peer_listen",
+                 "peer_address", "peer_secret_file", "peer_timeout")
 
 
 def _settings_from_args(args: argparse.Namespace):

@@ -61,6 +61,9 @@ class Settings:
     # from the remote through the daemon, bounded by --remote-timeout); "off", none (the
     # daemon serves every read).
     passthrough: str = "auto"
+    # Processes that copy and hash the fills of readers' files (remote/fillprocess.py); 0:
+    # threads of the daemon.
+    fill_processes: int = 0
     log_file: Path | None = None
     runtime_dir: Path | None = None
     # The cluster tier (cachefs/peer): off unless peers are given.
@@ -150,6 +153,7 @@ _entries = _whole_number(1000, 100_000_000)
 MAX_HELD_FILES = 10_000_000
 _held_files = _whole_number(64, MAX_HELD_FILES)
 _concurrency = _whole_number(1, 1024)
+_processes = _whole_number(0, 64)
 
 
 PASSTHROUGH_MODES = ("auto", "local", "off")
@@ -202,6 +206,7 @@ PARSERS = {
     "staging_size": _staging_size,
     "allow_other": _bool,
     "passthrough": _passthrough,
+    "fill_processes": _processes,
     "log_file": _path,
     "runtime_dir": _path,
     "peers": PeerList.parse,

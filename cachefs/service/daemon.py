@@ -192,7 +192,8 @@ class Daemon:
             # Counted once per file filled: the labelled counters looked up once, here.
             fills = {result: m.fills.labels(result) for result in FILL_RESULTS}
             remote_files = self.remote_files = RemoteFiles(
-                self.remote, store, on_fill=lambda result: fills[result].inc())
+                self.remote, store, on_fill=lambda result: fills[result].inc(),
+                fill_processes=s.fill_processes)
             m.bind_gauge(m.fills_under_way, lambda: remote_files.fills_under_way)
             self.prefetcher = Prefetcher(
                 mountpoint=str(s.mountpoint), store=store, fetcher=fetcher, remote=self.remote,
@@ -404,6 +405,7 @@ class Daemon:
             "fills": {
                 **{r: int(m.value("cachefs_fills_total", result=r)) for r in FILL_RESULTS},
                 "under_way": self.remote_files.fills_under_way if self.remote_files else 0,
+                "processes": self.remote_files.fill_processes if self.remote_files else [],
             },
             "cluster": self._cluster_status(),
         }

@@ -203,9 +203,14 @@ class CacheLayout:
         writing.  The caller fills it, closes it, then installs or discards it."""
         final = self.data_path(key)
         # Unique per thread: two fills of one key must not write the same temporary file.
-        tmp = f"{self._tmp_prefix}{final[-30:]}.{threading.get_ident()}"
+        tmp = self.tmp_path(final, str(threading.get_ident()))
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         return NewFile(fd, tmp, final)
+
+    def tmp_path(self, final: str, tag: str) -> str:
+        """The temporary file under tmp/ of a fill of the data file ``final`` (by the writer
+        ``tag`` names: a thread, a fill process's job)."""
+        return f"{self._tmp_prefix}{final[-30:]}.{tag}"
 
     def install(self, new: NewFile) -> None:
         """Rename a filled temporary file into place as its data file."""

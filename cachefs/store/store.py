@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import xxhash
 
@@ -103,7 +104,7 @@ def _describe(exc: OSError) -> str:
     return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
 
 
-def _checksums_of(fd: int, size: int) -> list[int]:
+def checksums_of(fd: int, size: int) -> list[int]:
     """The checksum of each chunk of the ``size`` bytes the file behind ``fd`` holds (the pages
     just written), read piecewise into a buffer this thread reuses.  (A map of the file would
     copy nothing, but costs three times as much for a 64 KiB file: the map, its page faults
@@ -140,6 +141,14 @@ def _checked_as(st: os.stat_result) -> tuple[int, int, int]:
     """What changes when anything writes to a file, or puts another file in its place (its
     size too, which the record holds apart)."""
     return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+
+
+class FillPlace(NamedTuple):
+    """Where a fill written by another process goes, and the room held for it."""
+
+    need: int
+    tmp: str
+    final: str
 
 
 class StoreClosing(Exception):
@@ -640,7 +649,7 @@ class CacheStore:
                 st = os.fstat(new.fd)
                 if st.st_size != attr.size:  # the copier's fault, not the disk's: no pause
                     raise CacheCorrupt(f"the copy wrote {st.st_size} bytes, not {attr.size}")
-                checksums = _checksums_of(new.fd, attr.size)
+                checksums = checksums_of(new.fd, attr.size)
             except CacheUnavailable as exc:  # the copy met the cache disk's refusal
                 self.layout.discard(new)
                 self._pause_admission(exc.__cause__ or OSError(errno.EIO, str(exc)))
@@ -679,7 +688,47 @@ class CacheStore:
         self.layout.install(new)
         # The bytes were hashed as they lie on the disk: checked for the first hand-over.
         checked = _checked_as(os.stat(new.final))
-        fan = new.fan
+        self._index_fill(key, attr, new.fan, checksums, allocated, checked, replaced)
+        return True
+
+    # -- fills written by another process (remote/fillprocess.py) ----------------------------
+
+    def place_fill(self, key: bytes, attr: Attr, tag: str) -> FillPlace | None:
+        """Room held for a fill of the file at ``key`` (version ``attr``) that another
+        process copies and hashes into a file under tmp/; None, holding nothing, when the
+        file is not admitted or does not fit.  Then :meth:`install_placed` or
+        :meth:`abandon_fill`, once."""
+        need = self._reserve(key, attr, attr.size)
+        if not need:
+            return None
+        final = self.layout.data_path(data_key(key, attr.version))
+        return FillPlace(need, self.layout.tmp_path(final, tag), final)
+
+    def install_placed(self, key: bytes, attr: Attr, place: FillPlace, checksums: list[int],
+                       allocated: int) -> bool:
+        """Rename a fill another process wrote and hashed (its checksums) into place and
+        index it, as :meth:`fill` does its own; True when the file is now cached."""
+        new = NewFile(-1, place.tmp, place.final)
+        try:
+            return self._install_fill(key, attr, new, checksums, allocated)
+        except (OSError, sqlite3.Error) as exc:
+            self.layout.discard(new)
+            self._pause_admission(exc)
+            return False
+        finally:
+            self._unreserve(place.need)
+
+    def abandon_fill(self, place: FillPlace, disk_error: OSError | None = None) -> None:
+        """A fill placed that did not get in: its temporary file removed, its room given back,
+        and admission paused when the cache disk refused it."""
+        self.layout.discard(NewFile(-1, place.tmp, place.final))
+        if disk_error is not None:
+            self._pause_admission(disk_error)
+        self._unreserve(place.need)
+
+    def _index_fill(self, key: bytes, attr: Attr, fan: str, checksums: list[int],
+                    allocated: int, checked: tuple[int, int, int],
+                    replaced: FileRecord | None) -> None:
         fan_bytes = self._fan_bytes_after_a_write(fan)
         single = len(checksums) == 1
         with self._lock:
@@ -699,7 +748,6 @@ class CacheStore:
         if replaced is not None:
             self.on_dropped(key, replaced.version)
         self._wrote()
-        return True
 
     def _set_fan_bytes_locked(self, fan: str, nbytes: int) -> None:
         self._fan_total += nbytes - self._fan_bytes.get(fan, 0)

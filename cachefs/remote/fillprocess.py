@@ -1,0 +1,367 @@
+"""Fills copied and hashed by processes of their own (--fill-processes).
+
+A fill on a thread of the daemon takes turns at the daemon's interpreter lock with the thread
+serving the kernel's requests, and every system call either makes while the other wants the
+lock is a futex wake and a context switch each way.  Against a fast remote (a local tree,
+5,000 files of 64 KiB, 8 readers, 2 cores) a fill thread cost 340-350 us of CPU per file, 240
+of it in the kernel, and perf put 43 % of the daemon's CPU in waking and switching threads
+(24-32 voluntary context switches per file), where the same copy on an uncontended thread
+(`cachefs warm`) costs about 100 us.  A fill process has an interpreter of its own: the
+daemon sends it the remote file's descriptor (SCM_RIGHTS) and the temporary file the copy
+goes to, and it copies (sendfile), hashes and answers with the checksums; the daemon renames
+the copy into place and indexes it (CacheStore.install_placed), on one thread per process
+that sleeps between answers.  The process never touches a name outside tmp/: a daemon that
+dies leaves only temporary files, which every start sweeps.
+
+The daemon sends a file to the process with the fewest under way, starting processes as
+they are needed up to the number asked for, and a new one in place of one that died (its
+fills fail: nothing was indexed, readers read the remote).  A process copies up to
+THREADS_PER_PROCESS files at once, for a remote whose copies wait.
+A process ends when the daemon's end of its socket closes, and takes no new file once the
+daemon is gone.
+
+Thread safety (daemon side): ``_lock`` guards ``_workers`` and each worker's ``pending``; it
+is a leaf lock.  Answers are handled on the worker's own ``fill-answers`` thread.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import itertools
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from cachefs.attr import Version
+from cachefs.errors import CacheCorrupt, CacheUnavailable, RemoteChanged
+from cachefs.remote.copy import WAITING_COPIES_WINDOW, WAITING_COPY_SECONDS, send_checked
+from cachefs.store.layout import allocated_bytes
+from cachefs.store.store import checksums_of
+
+log = logging.getLogger(__name__)
+
+# A job: its number, the file's size and mtime, then the path of the copy; the remote
+# file's descriptor rides along.
+_JOB = struct.Struct("<Qqq")
+# An answer: the job's number, the outcome, an errno; then for a file copied whole the bytes
+# its copy takes on the disk and the checksums of its chunks; else a message.
+_ANSWER = struct.Struct("<QBi")
+_COPIED = struct.Struct("<q")
+MESSAGE_BYTES = 1 << 16
+COPIED, CHANGED, DISK, FAILED = range(4)
+# Copies one process makes at once, at most (one per thread): a copy that waits on the remote
+# waits outside the interpreter lock, so several cover a remote's latency (see _Turns).
+THREADS_PER_PROCESS = 4
+# How long a closing daemon waits for its fill processes to end before it kills them.
+CLOSE_SECONDS = 1.0
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Outcome(NamedTuple):
+    """How a fill sent to a process went."""
+
+    kind: int
+    errno: int = 0
+    message: str = ""
+    checksums: list[int] = []
+    allocated: int = 0
+
+
+# -- the fill process -----------------------------------------------------------------------
+
+def fill_one(src: int, tmp: str, version: Version) -> Outcome:
+    """Copy ``src`` into ``tmp`` and hash it: the outcome.  ``tmp`` is left for the daemon
+    to rename into place when the copy is whole, removed otherwise."""
+    try:
+        out = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return Outcome(DISK, exc.errno or errno.EIO, f"creating the copy: {exc.strerror}")
+    whole = False
+    try:
+        send_checked(src, out, version)
+        st = os.fstat(out)
+        if st.st_size != version.size:
+            raise CacheCorrupt(f"the copy wrote {st.st_size} bytes, not {version.size}")
+        checksums = checksums_of(out, version.size)
+        whole = True
+        return Outcome(COPIED, checksums=checksums, allocated=allocated_bytes(st))
+    except RemoteChanged as exc:
+        return Outcome(CHANGED, message=str(exc))
+    except CacheUnavailable as exc:
+        cause = exc.__cause__
+        return Outcome(DISK, getattr(cause, "errno", None) or errno.EIO, str(exc))
+    except CacheCorrupt as exc:
+        return Outcome(FAILED, errno.EIO, str(exc))
+    except OSError as exc:
+        return Outcome(FAILED, exc.errno or errno.EIO, exc.strerror or str(exc))
+    finally:
+        os.close(out)
+        if not whole:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _encode_answer(job: int, outcome: Outcome) -> bytes:
+    head = _ANSWER.pack(job, outcome.kind, outcome.errno)
+    if outcome.kind != COPIED:
+        return head + outcome.message.encode(errors="replace")[:MESSAGE_BYTES // 2]
+    return head + _COPIED.pack(outcome.allocated) + array.array("Q", outcome.checksums).tobytes()
+
+
+def _decode_answer(data: bytes) -> tuple[int, Outcome]:
+    job, kind, code = _ANSWER.unpack_from(data)
+    rest = data[_ANSWER.size:]
+    if kind != COPIED:
+        return job, Outcome(kind, code, rest.decode(errors="replace"))
+    (allocated,) = _COPIED.unpack_from(rest)
+    checksums = array.array("Q", rest[_COPIED.size:]).tolist()
+    return job, Outcome(kind, checksums=checksums, allocated=allocated)
+
+
+class _Turns:
+    """How many of a process's threads copy at once: one while copies wait on nothing (more
+    would only take turns at the interpreter lock), THREADS_PER_PROCESS once most recent
+    copies waited on the remote (spent over WAITING_COPY_SECONDS off the CPU), as the
+    daemon's fill threads are added (handover.py).
+
+    Thread safety: ``_cond`` guards ``_copying`` and ``_waiting_share``."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._copying = 0
+        self._waiting_share = 0.0
+
+    def _allowed_locked(self) -> int:
+        return THREADS_PER_PROCESS if self._waiting_share > 0.5 else 1
+
+    def take(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._copying < self._allowed_locked())
+            self._copying += 1
+
+    def give_back(self, waited: bool) -> None:
+        with self._cond:
+            self._copying -= 1
+            self._waiting_share += (float(waited) - self._waiting_share) / WAITING_COPIES_WINDOW
+            self._cond.notify()
+
+
+def serve(sock: socket.socket, turns: _Turns) -> None:
+    """Fill what the daemon sends, until it closes its end or ends: this thread's turn first
+    (taken before the job is read, so that a job waits in the socket, not on a thread)."""
+    daemon = os.getppid()
+    while True:
+        turns.take()
+        waited = [False]
+        try:
+            if not _serve_one(sock, daemon, waited):
+                return
+        finally:
+            turns.give_back(waited[0])
+
+
+def _serve_one(sock: socket.socket, daemon: int, waited: list[bool]) -> bool:
+    """Read one job, fill it (``waited``: whether the copy waited on the remote), answer:
+    False once there will be no more."""
+    while True:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, MESSAGE_BYTES, 1)
+            break
+        except InterruptedError:
+            continue
+        except OSError:
+            return False
+    for extra in fds[1:]:
+        os.close(extra)
+    if not data or os.getppid() != daemon:  # the daemon died with jobs queued: nobody
+        for fd in fds[:1]:                  # would index them
+            os.close(fd)
+        return False
+    job, size, mtime = _JOB.unpack_from(data)
+    tmp = os.fsdecode(data[_JOB.size:])
+    if not fds:
+        outcome = Outcome(FAILED, errno.EBADF, "no remote file came with the job")
+    else:
+        began, began_cpu = time.monotonic(), time.thread_time()
+        try:
+            outcome = fill_one(fds[0], tmp, Version(size, mtime))
+        finally:
+            os.close(fds[0])
+        off_cpu = (time.monotonic() - began) - (time.thread_time() - began_cpu)
+        waited[0] = off_cpu > WAITING_COPY_SECONDS
+    try:
+        sock.send(_encode_answer(job, outcome))
+    except OSError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].isdigit():
+        print("usage: python3 -m cachefs.remote.fillprocess SOCKET_FD (started by the daemon)",
+              file=sys.stderr)
+        return 2
+    sock = socket.socket(fileno=int(args[0]))
+    # Each thread takes the next job the socket holds: one copy at a time while the copies
+    # are quick, several while they wait on the remote.
+    turns = _Turns()
+    threads = [threading.Thread(target=serve, args=(sock, turns), name=f"fill-{i}",
+                                daemon=True)
+               for i in range(THREADS_PER_PROCESS)]
+    for thread in threads:
+        thread.start()
+    threads[0].join()  # the first to find the socket closed: the others may wait their turn
+    return 0
+
+
+# -- the daemon's side ----------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Worker:
+    process: subprocess.Popen
+    sock: socket.socket
+    pending: dict[int, object] = field(default_factory=dict)
+    alive: bool = True
+
+
+class FillProcesses:
+    """Up to ``count`` fill processes; ``on_done(context, outcome)`` is called once for every
+    job :meth:`submit` took, on a thread of this class."""
+
+    def __init__(self, count: int, on_done: Callable[[object, Outcome], None]) -> None:
+        self.count = max(1, count)
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._jobs = itertools.count(1)
+        self._closed = False
+
+    def submit(self, src: int, tmp: str, version: Version, context: object) -> bool:
+        """Send a fill to a process: copy ``src`` (duplicated into it; the caller keeps its
+        own) into ``tmp``.  False when none can take it now (it could not be started, or its
+        socket is full): the file is filled at a later open."""
+        job = next(self._jobs)
+        message = _JOB.pack(job, version.size, version.mtime_ns) + os.fsencode(tmp)
+        with self._lock:
+            if self._closed:
+                return False
+            worker = self._pick_locked()
+            if worker is None:
+                return False
+            worker.pending[job] = context
+        try:
+            socket.send_fds(worker.sock, [message], [src], socket.MSG_DONTWAIT)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                log.warning("a fill process did not take a file: %s", exc)
+            with self._lock:
+                worker.pending.pop(job, None)
+            return False
+
+    def _pick_locked(self) -> _Worker | None:
+        live = [w for w in self._workers if w.alive]
+        self._workers = live
+        idle = min(live, key=lambda w: len(w.pending), default=None)
+        if idle is not None and (not idle.pending or len(live) >= self.count):
+            return idle
+        try:
+            worker = self._start()
+        except OSError as exc:
+            log.warning("could not start a fill process: %s", exc)
+            return idle
+        self._workers.append(worker)
+        return worker
+
+    def _start(self) -> _Worker:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # The same cachefs as the daemon's, wherever the daemon's own working directory is.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT,
+                                                          env.get("PYTHONPATH")]))
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "cachefs.remote.fillprocess", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        worker = _Worker(process, ours)
+        threading.Thread(target=self._answers, args=(worker,), name="fill-answers",
+                         daemon=True).start()
+        return worker
+
+    def _answers(self, worker: _Worker) -> None:
+        while True:
+            try:
+                data = worker.sock.recv(MESSAGE_BYTES)
+            except InterruptedError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                break
+            job, outcome = _decode_answer(data)
+            with self._lock:
+                context = worker.pending.pop(job, None)
+            if context is not None:
+                self._done(context, outcome)
+        # The process ended (or is being closed): what it had is lost.
+        with self._lock:
+            worker.alive = False
+            lost, worker.pending = list(worker.pending.values()), {}
+        worker.sock.close()
+        if worker.process.wait() not in (0, None) and not self._closed:
+            log.warning("a fill process ended with %s; %d fills lost (read from the remote)",
+                        worker.process.returncode, len(lost))
+        for context in lost:
+            self._done(context, Outcome(FAILED, errno.EPIPE, "the fill process ended"))
+
+    def _done(self, context: object, outcome: Outcome) -> None:
+        try:
+            self._on_done(context, outcome)
+        except Exception:
+            log.exception("handling a fill's outcome failed")
+
+    @property
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [w.process.pid for w in self._workers if w.alive]
+
+    def close(self) -> None:
+        """End every process: each sees its socket closed once its copy is done, and one
+        still copying after CLOSE_SECONDS (a remote that does not answer) is killed; what
+        either leaves under tmp/ the next start sweeps."""
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers)
+        for worker in workers:
+            try:
+                worker.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + CLOSE_SECONDS
+        for worker in workers:
+            try:
+                worker.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
