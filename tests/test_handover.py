@@ -305,16 +305,9 @@ def test_fill_processes_store_what_the_readers_read(source, remote, mount_cachef
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-def test_a_fill_process_killed_mid_copy_loses_that_fill_only(source, remote, mount_cachefs):
-    """A fill process that dies (the OOM killer, a bug): the reader never notices, the file
-    is not indexed, its temporary copy is removed, and the next open fills it through a new
-    process."""
-    rng = random.Random(14)
-    data = rng.randbytes(24 * 2**20)
-    (source / "shard.bin").write_bytes(data)
-    mount = mount_cachefs(remote.path, fraction=1.0, fill_processes=1, **KERNEL)
-    if not mount.hands_over_remote:
-        pytest.skip("this kernel takes no backing files")
+def _kill_the_fill_process_mid_copy(mount, remote, data: bytes) -> int:
+    """Read shard.bin (``data``) through the mount while its fill, slowed, is killed with its
+    process: the reader reads on with the right bytes; the pid killed."""
     reader, head = _reading_during_a_slow_fill(mount, remote, "shard.bin", 10)  # over 2 s
     with reader:
         assert head == data[:4096]
@@ -324,13 +317,52 @@ def test_a_fill_process_killed_mid_copy_loses_that_fill_only(source, remote, mou
         assert data[4096:] == reader.read()
     mount.settle()
     assert mount.metric("cachefs_fills_total", result="failed") == 1
-    assert mount.status()["cache_files"] == 0
     wait_for(lambda: not os.listdir(mount.cache_dir / "tmp"), what="the copy removed")
+    return victim
+
+
+def test_a_fill_process_killed_mid_copy_loses_that_fill_only(source, remote, mount_cachefs):
+    """A fill process that dies (the OOM killer, a bug): the reader never notices, the file
+    is not indexed, its temporary copy is removed, and the next open fills it through a new
+    process."""
+    rng = random.Random(14)
+    data = rng.randbytes(24 * 2**20)
+    (source / "shard.bin").write_bytes(data)
+    (source / "small.bin").write_bytes(b"small and whole\n")
+    mount = mount_cachefs(remote.path, fraction=1.0, fill_processes=1, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    assert _whole(mount.path / "small.bin") == b"small and whole\n"  # the process's first
+    mount.settle()
+    victim = _kill_the_fill_process_mid_copy(mount, remote, data)
+    assert mount.status()["cache_files"] == 1  # small.bin; nothing of the shard
     assert _whole(mount.path / "shard.bin") == data  # a new open: a new fill, a new process
+    mount.settle()
+    assert mount.metric("cachefs_fills_total", result="stored") == 2
+    assert _cached_bytes(mount, source, "shard.bin") == data
+    (successor,) = _fill_processes(mount)
+    assert successor != victim
+
+
+def test_a_fill_process_that_ends_before_its_first_file_leaves_fills_to_threads(
+        source, remote, mount_cachefs):
+    """Processes that cannot work here (one ends at once, before any answer): the daemon
+    says so in its log and fills on its threads from then on, not process after process."""
+    rng = random.Random(15)
+    data = rng.randbytes(24 * 2**20)
+    (source / "shard.bin").write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=1.0, fill_processes=1, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    _kill_the_fill_process_mid_copy(mount, remote, data)
+    assert mount.status()["cache_files"] == 0
+    wait_for(lambda: "the daemon's threads fill from now on" in mount.log_tail(),
+             what="the fall back to threads logged")
+    assert _whole(mount.path / "shard.bin") == data
     mount.settle()
     assert mount.metric("cachefs_fills_total", result="stored") == 1
     assert _cached_bytes(mount, source, "shard.bin") == data
-    assert victim not in _fill_processes(mount)
+    assert _fill_processes(mount) == []
 
 
 @pytest.mark.fast

@@ -15,7 +15,9 @@ dies leaves only temporary files, which every start sweeps.
 
 The daemon sends a file to the process with the fewest under way, starting processes as
 they are needed up to the number asked for, and a new one in place of one that died (its
-fills fail: nothing was indexed, readers read the remote).  A process copies up to
+fills fail: nothing was indexed, readers read the remote).  One that cannot start, or ends
+before its first answer, tells that processes cannot work here (cachefs not importable by
+the interpreter, say): the daemon logs it and its threads fill from then on.  A process copies up to
 THREADS_PER_PROCESS files at once, for a remote whose copies wait.
 A process ends when the daemon's end of its socket closes, and takes no new file once the
 daemon is gone.
@@ -31,6 +33,7 @@ import errno
 import itertools
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -63,6 +66,13 @@ COPIED, CHANGED, DISK, FAILED = range(4)
 THREADS_PER_PROCESS = 4
 # How long a closing daemon waits for its fill processes to end before it kills them.
 CLOSE_SECONDS = 1.0
+# A process that ends this soon after its start without answering once cannot work here (it
+# cannot import cachefs, say): fills go back to the daemon's threads rather than start
+# process after process.
+EARLY_END_SECONDS = 5.0
+# Larger files are filled by the daemon's threads: an answer carries a checksum per chunk in
+# one message of at most MESSAGE_BYTES.
+MAX_FILE_BYTES = 16 * 2**30
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -213,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python3 -m cachefs.remote.fillprocess SOCKET_FD (started by the daemon)",
               file=sys.stderr)
         return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon ends this process
     sock = socket.socket(fileno=int(args[0]))
     # Each thread takes the next job the socket holds: one copy at a time while the copies
     # are quick, several while they wait on the remote.
@@ -232,21 +243,29 @@ def main(argv: list[str] | None = None) -> int:
 class _Worker:
     process: subprocess.Popen
     sock: socket.socket
+    started: float
     pending: dict[int, object] = field(default_factory=dict)
+    answered: int = 0
     alive: bool = True
 
 
 class FillProcesses:
     """Up to ``count`` fill processes; ``on_done(context, outcome)`` is called once for every
-    job :meth:`submit` took, on a thread of this class."""
+    job :meth:`submit` took, on a thread of this class.  ``broken`` says why processes cannot
+    be used here (one could not start, or ended at once), once that is known."""
 
     def __init__(self, count: int, on_done: Callable[[object, Outcome], None]) -> None:
         self.count = max(1, count)
+        self.broken: str | None = None
         self._on_done = on_done
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self._jobs = itertools.count(1)
         self._closed = False
+
+    def takes(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes goes to a process (else to a thread)."""
+        return self.broken is None and size <= MAX_FILE_BYTES
 
     def submit(self, src: int, tmp: str, version: Version, context: object) -> bool:
         """Send a fill to a process: copy ``src`` (duplicated into it; the caller keeps its
@@ -255,7 +274,7 @@ class FillProcesses:
         job = next(self._jobs)
         message = _JOB.pack(job, version.size, version.mtime_ns) + os.fsencode(tmp)
         with self._lock:
-            if self._closed:
+            if self._closed or self.broken is not None:
                 return False
             worker = self._pick_locked()
             if worker is None:
@@ -280,8 +299,8 @@ class FillProcesses:
         try:
             worker = self._start()
         except OSError as exc:
-            log.warning("could not start a fill process: %s", exc)
-            return idle
+            self._break(f"a fill process could not start: {exc}")
+            return None
         self._workers.append(worker)
         return worker
 
@@ -292,15 +311,18 @@ class FillProcesses:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT,
                                                           env.get("PYTHONPATH")]))
         try:
+            # A session of its own: a Ctrl-C at the daemon's terminal is the daemon's to
+            # handle (it ends its processes as it stops).
             process = subprocess.Popen(
                 [sys.executable, "-m", "cachefs.remote.fillprocess", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
-        worker = _Worker(process, ours)
+        worker = _Worker(process, ours, time.monotonic())
         threading.Thread(target=self._answers, args=(worker,), name="fill-answers",
                          daemon=True).start()
         return worker
@@ -317,6 +339,7 @@ class FillProcesses:
                 break
             job, outcome = _decode_answer(data)
             with self._lock:
+                worker.answered += 1
                 context = worker.pending.pop(job, None)
             if context is not None:
                 self._done(context, outcome)
@@ -325,11 +348,20 @@ class FillProcesses:
             worker.alive = False
             lost, worker.pending = list(worker.pending.values()), {}
         worker.sock.close()
-        if worker.process.wait() not in (0, None) and not self._closed:
-            log.warning("a fill process ended with %s; %d fills lost (read from the remote)",
-                        worker.process.returncode, len(lost))
+        code = worker.process.wait()
+        if not self._closed:
+            if not worker.answered and time.monotonic() - worker.started < EARLY_END_SECONDS:
+                self._break(f"a fill process ended with {code} before its first file")
+            else:
+                log.warning("a fill process ended with %s; %d fills lost (read from the "
+                            "remote, filled at a later open)", code, len(lost))
         for context in lost:
             self._done(context, Outcome(FAILED, errno.EPIPE, "the fill process ended"))
+
+    def _break(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+            log.error("%s: the daemon's threads fill from now on", why)
 
     def _done(self, context: object, outcome: Outcome) -> None:
         try:

@@ -202,18 +202,19 @@ class RemoteFiles:
         with self._lock:
             if ident in self._fills or self._closed:
                 return
-            backlog = self._queued if self._processes is None else len(self._fills)
+            elsewhere = self._processes is not None and self._processes.takes(attr.size)
+            backlog = len(self._fills) if elsewhere else self._queued
             skipped = backlog >= MAX_QUEUED_FILLS
             if not skipped:
                 fill = self._fills[ident] = _Fill(relpath, key, attr, os.dup(reader_fd),
                                                   counted=True)
-                if self._processes is None:
+                if not elsewhere:
                     self._queued += 1
                     thread = self._thread_wanted_locked()
         if skipped:
             self._on_fill("skipped")
             return
-        if self._processes is not None:
+        if elsewhere:
             self._send_to_process(fill)
             return
         self._queue.put(fill)
