@@ -688,7 +688,26 @@ class CacheStore:
         self.layout.install(new)
         # The bytes were hashed as they lie on the disk: checked for the first hand-over.
         checked = _checked_as(os.stat(new.final))
-        self._index_fill(key, attr, new.fan, checksums, allocated, checked, replaced)
+        fan = new.fan
+        fan_bytes = self._fan_bytes_after_a_write(fan)
+        single = len(checksums) == 1
+        with self._lock:
+            if not single:
+                for number, checksum in enumerate(checksums):
+                    self.index.put_chunk(chunk_key(key, number),
+                                         ChunkRecord(checksum, chunk_span(attr.size, number)[1]))
+            self.index.put_file(key, FileRecord(attr, len(checksums),
+                                                checksums[0] if single else 0, checked))
+            self._complete_files += 1
+            self._data_bytes += allocated
+            if not self._trusted:
+                self._verified.add(_key_hash(key))
+            if fan_bytes is not None:
+                self._set_fan_bytes_locked(fan, fan_bytes)
+            self._measure_index_locked()
+        if replaced is not None:
+            self.on_dropped(key, replaced.version)
+        self._wrote()
         return True
 
     # -- fills written by another process (remote/fillprocess.py) ----------------------------
@@ -725,29 +744,6 @@ class CacheStore:
         if disk_error is not None:
             self._pause_admission(disk_error)
         self._unreserve(place.need)
-
-    def _index_fill(self, key: bytes, attr: Attr, fan: str, checksums: list[int],
-                    allocated: int, checked: tuple[int, int, int],
-                    replaced: FileRecord | None) -> None:
-        fan_bytes = self._fan_bytes_after_a_write(fan)
-        single = len(checksums) == 1
-        with self._lock:
-            if not single:
-                for number, checksum in enumerate(checksums):
-                    self.index.put_chunk(chunk_key(key, number),
-                                         ChunkRecord(checksum, chunk_span(attr.size, number)[1]))
-            self.index.put_file(key, FileRecord(attr, len(checksums),
-                                                checksums[0] if single else 0, checked))
-            self._complete_files += 1
-            self._data_bytes += allocated
-            if not self._trusted:
-                self._verified.add(_key_hash(key))
-            if fan_bytes is not None:
-                self._set_fan_bytes_locked(fan, fan_bytes)
-            self._measure_index_locked()
-        if replaced is not None:
-            self.on_dropped(key, replaced.version)
-        self._wrote()
 
     def _set_fan_bytes_locked(self, fan: str, nbytes: int) -> None:
         self._fan_total += nbytes - self._fan_bytes.get(fan, 0)
