@@ -178,21 +178,24 @@ class EmulatedRemote:
         return reply
 
 
+def _cpu_ticks(pid: int) -> list[int]:
+    """utime, stime, cutime and cstime of process pid, in clock ticks, from /proc/PID/stat
+    (fields 14-17 of the line; split after the command name, which may hold ")")."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # fields[0] here is field 3 (state)
+    return [int(x) for x in fields[11:15]]
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process pid (all its threads), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold ")"
-    # utime and stime are fields 14 and 15 of the line; fields[0] here is field 3 (state).
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(_cpu_ticks(pid)[:2]) / os.sysconf("SC_CLK_TCK")
 
 
 def process_tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process pid and every process it started (a daemon's
     fill processes): the live ones from their own /proc/PID/stat, the ended ones from the
     parent's account of its waited-for children (cutime and cstime)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    total = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    total = sum(_cpu_ticks(pid)) / os.sysconf("SC_CLK_TCK")
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import errno
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from cachefs.attr import Version
 from cachefs.errors import CacheUnavailable, RemoteChanged
@@ -20,6 +23,35 @@ WAITING_COPY_SECONDS = 0.001
 WAITING_COPIES_WINDOW = 32
 # Errors of a copy that are the cache disk's, not the remote's.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+T = TypeVar("T")
+
+
+class CopyWaits:
+    """Whether recent copies waited on the remote: the share of the last
+    WAITING_COPIES_WINDOW or so that spent over WAITING_COPY_SECONDS off the CPU.  It decides
+    whether copying several files at once helps (the daemon's fill threads, handover.py; a
+    fill process's turns, fillprocess.py).
+
+    Thread safety: updated by any copying thread without a lock; a lost update only delays
+    the hint by a copy."""
+
+    def __init__(self) -> None:
+        self.share = 0.0
+
+    @property
+    def mostly_waiting(self) -> bool:
+        return self.share > 0.5
+
+    def measure(self, copy: Callable[..., T], *args) -> T:
+        """``copy(*args)``, its time off the CPU counted whether it returns or raises."""
+        began, began_cpu = time.monotonic(), time.thread_time()
+        try:
+            return copy(*args)
+        finally:
+            waited = (time.monotonic() - began) - (time.thread_time() - began_cpu)
+            self.share += (float(waited > WAITING_COPY_SECONDS) - self.share) \
+                / WAITING_COPIES_WINDOW
 
 
 def send_checked(src: int, out: int, version: Version) -> None:

@@ -46,9 +46,8 @@ from typing import NamedTuple
 
 from cachefs.attr import Version
 from cachefs.errors import CacheCorrupt, CacheUnavailable, RemoteChanged
-from cachefs.remote.copy import WAITING_COPIES_WINDOW, WAITING_COPY_SECONDS, send_checked
-from cachefs.store.layout import allocated_bytes
-from cachefs.store.store import checksums_of
+from cachefs.remote.copy import CopyWaits, send_checked
+from cachefs.store.store import copy_and_hash
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ class Outcome(NamedTuple):
     kind: int
     errno: int = 0
     message: str = ""
-    checksums: list[int] = []
+    checksums: tuple[int, ...] = ()
     allocated: int = 0
 
 
@@ -97,13 +96,10 @@ def fill_one(src: int, tmp: str, version: Version) -> Outcome:
         return Outcome(DISK, exc.errno or errno.EIO, f"creating the copy: {exc.strerror}")
     whole = False
     try:
-        send_checked(src, out, version)
-        st = os.fstat(out)
-        if st.st_size != version.size:
-            raise CacheCorrupt(f"the copy wrote {st.st_size} bytes, not {version.size}")
-        checksums = checksums_of(out, version.size)
+        checksums, allocated = copy_and_hash(
+            out, version.size, lambda fd: send_checked(src, fd, version))
         whole = True
-        return Outcome(COPIED, checksums=checksums, allocated=allocated_bytes(st))
+        return Outcome(COPIED, checksums=tuple(checksums), allocated=allocated)
     except RemoteChanged as exc:
         return Outcome(CHANGED, message=str(exc))
     except CacheUnavailable as exc:
@@ -135,35 +131,34 @@ def _decode_answer(data: bytes) -> tuple[int, Outcome]:
     if kind != COPIED:
         return job, Outcome(kind, code, rest.decode(errors="replace"))
     (allocated,) = _COPIED.unpack_from(rest)
-    checksums = array.array("Q", rest[_COPIED.size:]).tolist()
+    checksums = tuple(array.array("Q", rest[_COPIED.size:]))
     return job, Outcome(kind, checksums=checksums, allocated=allocated)
 
 
 class _Turns:
     """How many of a process's threads copy at once: one while copies wait on nothing (more
     would only take turns at the interpreter lock), THREADS_PER_PROCESS once most recent
-    copies waited on the remote (spent over WAITING_COPY_SECONDS off the CPU), as the
-    daemon's fill threads are added (handover.py).
+    copies waited on the remote (``waits``), as the daemon's fill threads are added
+    (handover.py).
 
-    Thread safety: ``_cond`` guards ``_copying`` and ``_waiting_share``."""
+    Thread safety: ``_cond`` guards ``_copying``."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._copying = 0
-        self._waiting_share = 0.0
+        self.waits = CopyWaits()
 
     def _allowed_locked(self) -> int:
-        return THREADS_PER_PROCESS if self._waiting_share > 0.5 else 1
+        return THREADS_PER_PROCESS if self.waits.mostly_waiting else 1
 
     def take(self) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._copying < self._allowed_locked())
             self._copying += 1
 
-    def give_back(self, waited: bool) -> None:
+    def give_back(self) -> None:
         with self._cond:
             self._copying -= 1
-            self._waiting_share += (float(waited) - self._waiting_share) / WAITING_COPIES_WINDOW
             self._cond.notify()
 
 
@@ -173,17 +168,16 @@ def serve(sock: socket.socket, turns: _Turns) -> None:
     daemon = os.getppid()
     while True:
         turns.take()
-        waited = [False]
         try:
-            if not _serve_one(sock, daemon, waited):
+            if not _serve_one(sock, daemon, turns.waits):
                 return
         finally:
-            turns.give_back(waited[0])
+            turns.give_back()
 
 
-def _serve_one(sock: socket.socket, daemon: int, waited: list[bool]) -> bool:
-    """Read one job, fill it (``waited``: whether the copy waited on the remote), answer:
-    False once there will be no more."""
+def _serve_one(sock: socket.socket, daemon: int, waits: CopyWaits) -> bool:
+    """Read one job, fill it (its copy counted in ``waits``), answer: False once there will
+    be no more."""
     while True:
         try:
             data, fds, _flags, _addr = socket.recv_fds(sock, MESSAGE_BYTES, 1)
@@ -203,13 +197,10 @@ def _serve_one(sock: socket.socket, daemon: int, waited: list[bool]) -> bool:
     if not fds:
         outcome = Outcome(FAILED, errno.EBADF, "no remote file came with the job")
     else:
-        began, began_cpu = time.monotonic(), time.thread_time()
         try:
-            outcome = fill_one(fds[0], tmp, Version(size, mtime))
+            outcome = waits.measure(fill_one, fds[0], tmp, Version(size, mtime))
         finally:
             os.close(fds[0])
-        off_cpu = (time.monotonic() - began) - (time.thread_time() - began_cpu)
-        waited[0] = off_cpu > WAITING_COPY_SECONDS
     try:
         sock.send(_encode_answer(job, outcome))
     except OSError:

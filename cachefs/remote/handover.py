@@ -22,7 +22,7 @@ open.
 
 Thread safety: ``_lock`` guards ``_fills``, each fill's ``fd`` and ``_queued`` (a leaf lock,
 never held across a call on the remote); ``_done``, a condition on it, tells waiters that a
-fill ended.  ``_waiting_copies`` is a hint any fill thread updates without it.
+fill ended.  ``_copy_waits`` is a hint any fill thread updates without it.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ import logging
 import os
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from cachefs import remotewait
 from cachefs.attr import Attr, Version
 from cachefs.errors import CachefsError, RemoteChanged
-from cachefs.remote.copy import WAITING_COPIES_WINDOW, WAITING_COPY_SECONDS, send_checked
+from cachefs.remote.copy import CopyWaits, send_checked
 from cachefs.remote.fillprocess import CHANGED, COPIED, DISK, FillProcesses, Outcome
 from cachefs.remote.remote import Remote
 from cachefs.store.store import CacheStore, FillPlace
@@ -116,7 +115,7 @@ class RemoteFiles:
         self._queue: queue.SimpleQueue[_Fill | None] = queue.SimpleQueue()
         self._queued = 0
         self._threads: list[threading.Thread] = []
-        self._waiting_copies = 0.0  # the share of recent copies that waited on the remote
+        self._copy_waits = CopyWaits()
         self._closed = False
 
     def close(self) -> None:
@@ -225,7 +224,7 @@ class RemoteFiles:
         """A new fill thread (to be started), where the queue says one helps."""
         threads = len(self._threads)
         if not threads or threads < FILL_THREADS and self._queued > threads * (
-                FILL_BACKLOG_PER_THREAD if self._waiting_copies > 0.5
+                FILL_BACKLOG_PER_THREAD if self._copy_waits.mostly_waiting
                 else MAX_QUEUED_FILLS // FILL_THREADS):
             thread = threading.Thread(target=self._work, name="fill", daemon=True)
             self._threads.append(thread)
@@ -289,13 +288,7 @@ class RemoteFiles:
     def _copy(self, fill: _Fill, out: int) -> None:
         if not fill.counted:
             self._remote.count_read(fill.attr.size)
-        began, began_cpu = time.monotonic(), time.thread_time()
-        try:
-            self._remote.call(send_checked, fill.fd, out, fill.attr.version)
-        finally:
-            waited = (time.monotonic() - began) - (time.thread_time() - began_cpu)
-            self._waiting_copies += (float(waited > WAITING_COPY_SECONDS)
-                                     - self._waiting_copies) / WAITING_COPIES_WINDOW
+        self._copy_waits.measure(self._remote.call, send_checked, fill.fd, out, fill.attr.version)
 
     def _finish(self, fill: _Fill) -> None:
         with self._lock:

@@ -39,7 +39,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -131,6 +131,19 @@ def checksums_of(fd: int, size: int) -> list[int]:
             offset += got
         checksums.append(hasher.intdigest())
     return checksums
+
+
+def copy_and_hash(fd: int, size: int, copy: Callable[[int], None]) -> tuple[list[int], int]:
+    """Have ``copy(fd)`` write a file of ``size`` bytes into the new file ``fd``, then hash it
+    as written: (its chunks' checksums, the bytes it takes on the disk).  The one step of a
+    fill, on a thread of the daemon (CacheStore.fill) or in a fill process (fillprocess.py);
+    what ``copy`` raises is raised, and a copy of another length is CacheCorrupt (the
+    copier's fault, not the disk's)."""
+    copy(fd)
+    st = os.fstat(fd)
+    if st.st_size != size:
+        raise CacheCorrupt(f"the copy wrote {st.st_size} bytes, not {size}")
+    return checksums_of(fd, size), allocated_bytes(st)
 
 
 def _key_hash(key: bytes) -> int:
@@ -644,12 +657,8 @@ class CacheStore:
             except OSError as exc:
                 self._pause_admission(exc)
                 return False
-            try:
-                copy(new.fd)  # the remote's errors go to the caller
-                st = os.fstat(new.fd)
-                if st.st_size != attr.size:  # the copier's fault, not the disk's: no pause
-                    raise CacheCorrupt(f"the copy wrote {st.st_size} bytes, not {attr.size}")
-                checksums = checksums_of(new.fd, attr.size)
+            try:  # the remote's errors, and a copy of another length, go to the caller
+                checksums, allocated = copy_and_hash(new.fd, attr.size, copy)
             except CacheUnavailable as exc:  # the copy met the cache disk's refusal
                 self.layout.discard(new)
                 self._pause_admission(exc.__cause__ or OSError(errno.EIO, str(exc)))
@@ -660,7 +669,7 @@ class CacheStore:
             finally:
                 os.close(new.fd)
             try:
-                return self._install_fill(key, attr, new, checksums, allocated_bytes(st))
+                return self._install_fill(key, attr, new, checksums, allocated)
             except (OSError, sqlite3.Error) as exc:
                 self.layout.discard(new)
                 self._pause_admission(exc)
@@ -668,7 +677,7 @@ class CacheStore:
         finally:
             self._unreserve(need)
 
-    def _install_fill(self, key: bytes, attr: Attr, new: NewFile, checksums: list[int],
+    def _install_fill(self, key: bytes, attr: Attr, new: NewFile, checksums: Sequence[int],
                       allocated: int) -> bool:
         """Rename a filled file into place and index it whole, replacing any other version
         or partial fill of it; True when the file is now cached.  The rename and the stats
@@ -723,7 +732,7 @@ class CacheStore:
         final = self.layout.data_path(data_key(key, attr.version))
         return FillPlace(need, self.layout.tmp_path(final, tag), final)
 
-    def install_placed(self, key: bytes, attr: Attr, place: FillPlace, checksums: list[int],
+    def install_placed(self, key: bytes, attr: Attr, place: FillPlace, checksums: Sequence[int],
                        allocated: int) -> bool:
         """Rename a fill another process wrote and hashed (its checksums) into place and
         index it, as :meth:`fill` does its own; True when the file is now cached."""
