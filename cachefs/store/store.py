@@ -668,17 +668,23 @@ class CacheStore:
                 raise
             finally:
                 os.close(new.fd)
-            try:
-                return self._install_fill(key, attr, new, checksums, allocated)
-            except (OSError, sqlite3.Error) as exc:
-                self.layout.discard(new)
-                self._pause_admission(exc)
-                return False
+            return self._install_fill(key, attr, new, checksums, allocated)
         finally:
             self._unreserve(need)
 
     def _install_fill(self, key: bytes, attr: Attr, new: NewFile, checksums: Sequence[int],
                       allocated: int) -> bool:
+        """:meth:`_install_whole`; False, the new file discarded and admission paused, when
+        the cache disk or the index refuses it."""
+        try:
+            return self._install_whole(key, attr, new, checksums, allocated)
+        except (OSError, sqlite3.Error) as exc:
+            self.layout.discard(new)
+            self._pause_admission(exc)
+            return False
+
+    def _install_whole(self, key: bytes, attr: Attr, new: NewFile, checksums: Sequence[int],
+                       allocated: int) -> bool:
         """Rename a filled file into place and index it whole, replacing any other version
         or partial fill of it; True when the file is now cached.  The rename and the stats
         happen outside the lock: fills of other files go on meanwhile (one fill per file
@@ -736,13 +742,9 @@ class CacheStore:
                        allocated: int) -> bool:
         """Rename a fill another process wrote and hashed (its checksums) into place and
         index it, as :meth:`fill` does its own; True when the file is now cached."""
-        new = NewFile(-1, place.tmp, place.final)
         try:
-            return self._install_fill(key, attr, new, checksums, allocated)
-        except (OSError, sqlite3.Error) as exc:
-            self.layout.discard(new)
-            self._pause_admission(exc)
-            return False
+            return self._install_fill(key, attr, NewFile(-1, place.tmp, place.final), checksums,
+                                      allocated)
         finally:
             self._unreserve(place.need)
 
