@@ -365,6 +365,44 @@ def test_a_fill_process_that_ends_before_its_first_file_leaves_fills_to_threads(
     assert _fill_processes(mount) == []
 
 
+def test_a_fill_process_stuck_on_a_hung_remote_is_killed_after_the_timeout(source, remote,
+                                                                          mount_cachefs):
+    """A fill process whose copy waits on a remote that does not answer: after
+    --remote-timeout the daemon kills it, gives the fill's room and copy back and marks the
+    remote unavailable (as the watchdog does for a fill thread's copy); once the remote
+    answers, the next open fills the file through a new process."""
+    data = random.Random(16).randbytes(300_000)
+    (source / "stuck.bin").write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=1.0, fill_processes=1, remote_timeout=2,
+                          **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    os.stat(mount.path / "stuck.bin")
+    remote.set_fault("hang", ops=["read"], glob="stuck.bin")  # the copy's reads hang
+    try:
+        os.close(os.open(mount.path / "stuck.bin", os.O_RDONLY))  # the open starts the fill
+        (victim,) = _fill_processes(mount)
+        wait_for(lambda: mount.metric("cachefs_fills_total", result="failed") == 1,
+                 timeout=15, what="the stuck fill given up")
+        assert mount.metric("cachefs_remote_available") == 0
+        assert mount.metric("cachefs_remote_errors_total", kind="timeout") >= 1
+        assert mount.status()["fills"]["under_way"] == 0
+        assert not os.listdir(mount.cache_dir / "tmp")
+        assert mount.status()["cache_files"] == 0
+    finally:
+        remote.clear_faults()
+    # Killed, it ends once its copy returns (a read in flight in FUSE, as on a hard NFS
+    # mount, cannot be cut short).
+    wait_for(lambda: not os.path.exists(f"/proc/{victim}"), what="the stuck process gone")
+    wait_for(lambda: mount.metric("cachefs_remote_available") == 1, timeout=15,
+             what="the remote back")
+    assert _whole(mount.path / "stuck.bin") == data
+    mount.settle()
+    assert mount.metric("cachefs_fills_total", result="stored") == 1
+    assert _cached_bytes(mount, source, "stuck.bin") == data
+    assert _fill_processes(mount) != [victim]
+
+
 @pytest.mark.fast
 def test_what_the_daemon_does_on_the_remote_stays_bounded_and_local_bounds_every_read(
         source, remote, mount_cachefs):

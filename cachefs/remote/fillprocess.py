@@ -33,6 +33,7 @@ import errno
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import struct
@@ -238,17 +239,30 @@ class _Worker:
     pending: dict[int, object] = field(default_factory=dict)
     answered: int = 0
     alive: bool = True
+    # When it last answered, or took a job with none under way: its copies have made no
+    # progress since.
+    progress: float = 0.0
 
 
 class FillProcesses:
     """Up to ``count`` fill processes; ``on_done(context, outcome)`` is called once for every
     job :meth:`submit` took, on a thread of this class.  ``broken`` says why processes cannot
-    be used here (one could not start, or ended at once), once that is known."""
+    be used here (one could not start, or ended at once), once that is known.
 
-    def __init__(self, count: int, on_done: Callable[[object, Outcome], None]) -> None:
+    A process with fills under way that answers none for ``timeout_seconds`` waits on a
+    remote that does not answer (as a fill thread's copy would, which the watchdog bounds):
+    it is killed, its fills fail (their room and temporary files given back at once, not
+    when the remote answers) and ``on_stuck()`` says so.  SIGKILL ends it at the latest when
+    its copy returns: it runs no code of its own after that, so it takes no further job."""
+
+    def __init__(self, count: int, on_done: Callable[[object, Outcome], None],
+                 timeout_seconds: float | None = None,
+                 on_stuck: Callable[[], None] = lambda: None) -> None:
         self.count = max(1, count)
         self.broken: str | None = None
         self._on_done = on_done
+        self._timeout = timeout_seconds
+        self._on_stuck = on_stuck
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self._jobs = itertools.count(1)
@@ -270,6 +284,8 @@ class FillProcesses:
             worker = self._pick_locked()
             if worker is None:
                 return False
+            if not worker.pending:
+                worker.progress = time.monotonic()
             worker.pending[job] = context
         try:
             socket.send_fds(worker.sock, [message], [src], socket.MSG_DONTWAIT)
@@ -319,8 +335,16 @@ class FillProcesses:
         return worker
 
     def _answers(self, worker: _Worker) -> None:
+        # Polled rather than a timeout on the socket, which would make submit's sends wait.
+        poll = None if self._timeout is None else min(1.0, self._timeout / 4)
+        stuck = False
         while True:
             try:
+                if not select.select([worker.sock], [], [], poll)[0]:
+                    if self._stuck(worker):
+                        stuck = True
+                        break
+                    continue
                 data = worker.sock.recv(MESSAGE_BYTES)
             except InterruptedError:
                 continue
@@ -331,23 +355,36 @@ class FillProcesses:
             job, outcome = _decode_answer(data)
             with self._lock:
                 worker.answered += 1
+                worker.progress = time.monotonic()
                 context = worker.pending.pop(job, None)
             if context is not None:
                 self._done(context, outcome)
-        # The process ended (or is being closed): what it had is lost.
+        if stuck:
+            worker.process.kill()
+            log.error("a fill process copied nothing for %g s (the remote does not answer): "
+                      "killed; its fills are read from the remote, filled at a later open",
+                      self._timeout)
+            self._on_stuck()
+        # The process ended, is being closed or was killed: what it had is lost.
         with self._lock:
             worker.alive = False
             lost, worker.pending = list(worker.pending.values()), {}
         worker.sock.close()
+        for context in lost:  # given back before the wait: a killed copy may end late
+            self._done(context, Outcome(FAILED, errno.ETIMEDOUT if stuck else errno.EPIPE,
+                                        "the fill process ended"))
         code = worker.process.wait()
-        if not self._closed:
+        if not self._closed and not stuck:
             if not worker.answered and time.monotonic() - worker.started < EARLY_END_SECONDS:
                 self._break(f"a fill process ended with {code} before its first file")
             else:
                 log.warning("a fill process ended with %s; %d fills lost (read from the "
                             "remote, filled at a later open)", code, len(lost))
-        for context in lost:
-            self._done(context, Outcome(FAILED, errno.EPIPE, "the fill process ended"))
+
+    def _stuck(self, worker: _Worker) -> bool:
+        with self._lock:
+            return bool(worker.pending) and not self._closed \
+                and time.monotonic() - worker.progress > self._timeout
 
     def _break(self, why: str) -> None:
         if self.broken is None:

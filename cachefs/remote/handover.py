@@ -106,7 +106,8 @@ class RemoteFiles:
         self._store = store
         self._on_fill = on_fill
         # Fills of readers' files go to processes of their own when asked (fillprocess.py).
-        self._processes = FillProcesses(fill_processes, self._filled_elsewhere) \
+        self._processes = FillProcesses(fill_processes, self._filled_elsewhere,
+                                        remote.timeout_seconds, remote.timed_out) \
             if fill_processes else None
         self._placed = itertools.count(1)
         self._lock = threading.Lock()

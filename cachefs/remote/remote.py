@@ -67,7 +67,7 @@ class Remote:
         self._available = True
         self._probing = False
         self._closed = False
-        self.watchdog = remotewait.Watchdog(timeout_seconds, self._timed_out)
+        self.watchdog = remotewait.Watchdog(timeout_seconds, self.timed_out)
         remotewait.install(self.watchdog)
 
     def close(self) -> None:
@@ -101,8 +101,9 @@ class Remote:
                 self._on_error(_error_kind(exc))
             raise
 
-    def _timed_out(self) -> None:
-        """The watchdog's word that a call has outlasted the timeout."""
+    def timed_out(self) -> None:
+        """A wait on the remote outlasted the timeout: the watchdog's word for a call, a fill
+        process's for its copy."""
         self._on_error("timeout")
         self._mark_unavailable(f"no answer within {self.timeout_seconds:g} s")
 
