@@ -59,7 +59,8 @@ class CachefsMount:
         self.extra_args = extra_args
         self.tree = tree  # the checkout whose cachefs serves (another one: a baseline)
         self.mount_timeout_s = mount_timeout_s
-        self.pid: int | None = None
+        self.pid: int | None = None  # the serving process
+        self.supervisor_pid: int | None = None  # its parent, which restarts it if killed
         self.metrics_url: str | None = None
         # How long `cachefs mount` took to return, and `cachefs unmount` (once unmounted).
         self.mount_seconds: float | None = None
@@ -90,6 +91,7 @@ class CachefsMount:
                 raise MountError(f"cachefs status failed: {status.stderr.strip()}")
             info = json.loads(status.stdout)
             self.pid = info.get("pid")
+            self.supervisor_pid = info.get("supervisor_pid")
             self.metrics_url = info.get("metrics_url")
             if not self.metrics_url:
                 raise MountError("cachefs serves no /metrics; the benchmark needs them")
@@ -129,11 +131,19 @@ class CachefsMount:
                 pass
             _force_unmount(self.path)
         if self.pid and not wait_gone(self.pid, UNMOUNT_TIMEOUT_S):
+            # The supervisor first: it would start a new serving process in place of a killed
+            # one, which would hold the cache directory on.
+            for pid in filter(None, (self.supervisor_pid, self.pid)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self.supervisor_pid and not wait_gone(self.supervisor_pid, UNMOUNT_TIMEOUT_S):
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.supervisor_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.pid = None
+        self.pid = self.supervisor_pid = None
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

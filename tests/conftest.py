@@ -131,12 +131,19 @@ class CachefsMount:
         self._reap()
 
     def _reap(self) -> None:
-        for pid in (self.pid, self.supervisor_pid):
-            if pid and not wait_gone(pid, 15):
+        if self.pid and not wait_gone(self.pid, 15):
+            # The supervisor first: it would start a new serving process in place of a
+            # killed one.
+            for pid in filter(None, (self.supervisor_pid, self.pid)):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        if self.supervisor_pid and not wait_gone(self.supervisor_pid, 15):
+            try:
+                os.kill(self.supervisor_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.pid = self.supervisor_pid = None
 
     def log_tail(self, lines: int = 60) -> str:
