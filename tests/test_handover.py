@@ -403,6 +403,31 @@ def test_a_fill_process_stuck_on_a_hung_remote_is_killed_after_the_timeout(sourc
     assert _fill_processes(mount) != [victim]
 
 
+@pytest.mark.parametrize("filler", sorted(FILLERS))
+def test_a_fill_slower_than_the_timeout_is_left_to_finish_while_it_copies(
+        source, remote, mount_cachefs, filler):
+    """A copy that takes longer than --remote-timeout but keeps copying (a large file, a
+    slow link) is not a remote that does not answer: it is stored, the remote stays
+    available."""
+    data = random.Random(17).randbytes(6 * 2**20)
+    (source / "slow.bin").write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=1.0, remote_timeout=2, **KERNEL,
+                          **FILLERS[filler])
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    os.stat(mount.path / "slow.bin")
+    remote.configure(bandwidth_mbps=1)  # about 6 s for the copy
+    try:
+        os.close(os.open(mount.path / "slow.bin", os.O_RDONLY))  # the open starts the fill
+        mount.settle(timeout=60)
+    finally:
+        remote.configure(bandwidth_mbps=0)
+    assert mount.metric("cachefs_fills_total", result="stored") == 1
+    assert mount.metric("cachefs_remote_available") == 1
+    assert mount.metric("cachefs_remote_errors_total", kind="timeout") == 0
+    assert _cached_bytes(mount, source, "slow.bin") == data
+
+
 @pytest.mark.fast
 def test_what_the_daemon_does_on_the_remote_stays_bounded_and_local_bounds_every_read(
         source, remote, mount_cachefs):

@@ -21,6 +21,11 @@ from cachefs.errors import CacheUnavailable, RemoteChanged
 # copies.
 WAITING_COPY_SECONDS = 0.001
 WAITING_COPIES_WINDOW = 32
+# A copy's waits on the remote are bounded piece by piece (see send_checked): a remote that
+# moves less than a piece within --remote-timeout (1 MiB in 30 s by default) is not
+# answering.  Each piece costs a bounded call, some microseconds against the 0.3 ms or more
+# its copy takes.
+COPY_PIECE_BYTES = 1 << 20
 # Errors of a copy that are the cache disk's, not the remote's.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 
@@ -54,23 +59,41 @@ class CopyWaits:
                 / WAITING_COPIES_WINDOW
 
 
-def send_checked(src: int, out: int, version: Version) -> None:
+def send_checked(src: int, out: int, version: Version,
+                 call: Callable[..., int] | None = None) -> None:
     """Copy the whole remote file ``src`` into ``out`` in the kernel; RemoteChanged unless it
     is version ``version`` after the copy.  ``src`` was that version when it was opened
     (Remote.open_file checks it), and a write since, before the copy or during it, changes
     the size or mtime read after it: so no mix of two versions is ever stored, with one
-    check, not one on each side (each a turn at the interpreter lock)."""
+    check, not one on each side (each a turn at the interpreter lock).
+
+    ``call(fn, *args)`` runs each piece of COPY_PIECE_BYTES (Remote.call on a daemon's
+    thread): the timeout then bounds a piece, not the whole copy, so a large file copied at
+    any usable speed is not taken for a remote that does not answer."""
     offset = 0
-    while offset < version.size:
+    while True:
+        offset = _copy_piece(src, out, version, offset) if call is None \
+            else call(_copy_piece, src, out, version, offset)
+        if offset >= version.size:
+            return
+
+
+def _copy_piece(src: int, out: int, version: Version, offset: int) -> int:
+    """Copy up to COPY_PIECE_BYTES of ``src`` from ``offset``, and check the version once
+    the whole file is copied: the offset reached."""
+    end = min(version.size, offset + COPY_PIECE_BYTES)
+    while offset < end:
         try:
-            sent = os.sendfile(out, src, offset, version.size - offset)
+            sent = os.sendfile(out, src, offset, end - offset)
         except OSError as exc:
-            if exc.errno in DISK_ERRNOS:
+            if exc.errno in DISK_ERRNOS:  # the cache disk's: not counted against the remote
                 raise CacheUnavailable(f"writing the copy: {exc.strerror}") from exc
             raise
         if sent == 0:
             raise RemoteChanged("the file is shorter than its attributes say")
         offset += sent
-    st = os.fstat(src)
-    if (st.st_size, st.st_mtime_ns) != version:
-        raise RemoteChanged("the file changed on the remote while being copied")
+    if offset >= version.size:
+        st = os.fstat(src)
+        if (st.st_size, st.st_mtime_ns) != version:
+            raise RemoteChanged("the file changed on the remote while being copied")
+    return offset

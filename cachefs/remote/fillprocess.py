@@ -237,11 +237,13 @@ class _Worker:
     sock: socket.socket
     started: float
     pending: dict[int, object] = field(default_factory=dict)
+    copies: dict[int, str] = field(default_factory=dict)  # job -> its copy under tmp/
     answered: int = 0
     alive: bool = True
-    # When it last answered, or took a job with none under way: its copies have made no
-    # progress since.
+    # When its copies last grew, or it last answered, or took a job with none under way;
+    # and how many bytes its copies under way held then.
     progress: float = 0.0
+    copied: int = 0
 
 
 class FillProcesses:
@@ -249,11 +251,12 @@ class FillProcesses:
     job :meth:`submit` took, on a thread of this class.  ``broken`` says why processes cannot
     be used here (one could not start, or ended at once), once that is known.
 
-    A process with fills under way that answers none for ``timeout_seconds`` waits on a
-    remote that does not answer (as a fill thread's copy would, which the watchdog bounds):
-    it is killed, its fills fail (their room and temporary files given back at once, not
-    when the remote answers) and ``on_stuck()`` says so.  SIGKILL ends it at the latest when
-    its copy returns: it runs no code of its own after that, so it takes no further job."""
+    A process with fills under way whose copies do not grow, and which answers none, for
+    ``timeout_seconds`` waits on a remote that does not answer: it is killed, its fills fail
+    (their room and temporary files given back at once, not when the remote answers) and
+    ``on_stuck()`` says so.  SIGKILL ends it at the latest when its copy returns: it runs no
+    code of its own after that, so it takes no further job.  (A copy that grows is not
+    stuck, however long a large file takes.)"""
 
     def __init__(self, count: int, on_done: Callable[[object, Outcome], None],
                  timeout_seconds: float | None = None,
@@ -285,8 +288,9 @@ class FillProcesses:
             if worker is None:
                 return False
             if not worker.pending:
-                worker.progress = time.monotonic()
+                worker.progress, worker.copied = time.monotonic(), 0
             worker.pending[job] = context
+            worker.copies[job] = tmp
         try:
             socket.send_fds(worker.sock, [message], [src], socket.MSG_DONTWAIT)
             return True
@@ -295,6 +299,7 @@ class FillProcesses:
                 log.warning("a fill process did not take a file: %s", exc)
             with self._lock:
                 worker.pending.pop(job, None)
+                worker.copies.pop(job, None)
             return False
 
     def _pick_locked(self) -> _Worker | None:
@@ -357,6 +362,7 @@ class FillProcesses:
                 worker.answered += 1
                 worker.progress = time.monotonic()
                 context = worker.pending.pop(job, None)
+                worker.copies.pop(job, None)
             if context is not None:
                 self._done(context, outcome)
         if stuck:
@@ -368,7 +374,7 @@ class FillProcesses:
         # The process ended, is being closed or was killed: what it had is lost.
         with self._lock:
             worker.alive = False
-            lost, worker.pending = list(worker.pending.values()), {}
+            lost, worker.pending, worker.copies = list(worker.pending.values()), {}, {}
         worker.sock.close()
         for context in lost:  # given back before the wait: a killed copy may end late
             self._done(context, Outcome(FAILED, errno.ETIMEDOUT if stuck else errno.EPIPE,
@@ -382,9 +388,23 @@ class FillProcesses:
                             "remote, filled at a later open)", code, len(lost))
 
     def _stuck(self, worker: _Worker) -> bool:
+        """Whether ``worker``'s copies have made no progress for the timeout (on its answers
+        thread: a stat of each copy under way, once a poll)."""
         with self._lock:
-            return bool(worker.pending) and not self._closed \
-                and time.monotonic() - worker.progress > self._timeout
+            if not worker.pending or self._closed:
+                return False
+            copies = list(worker.copies.values())
+        copied = 0
+        for tmp in copies:
+            try:
+                copied += os.stat(tmp).st_size
+            except OSError:
+                pass  # not begun yet, or just renamed into place
+        now = time.monotonic()
+        with self._lock:
+            if copied != worker.copied:
+                worker.progress, worker.copied = now, copied
+            return now - worker.progress > self._timeout
 
     def _break(self, why: str) -> None:
         if self.broken is None:

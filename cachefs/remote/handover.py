@@ -289,7 +289,8 @@ class RemoteFiles:
     def _copy(self, fill: _Fill, out: int) -> None:
         if not fill.counted:
             self._remote.count_read(fill.attr.size)
-        self._copy_waits.measure(self._remote.call, send_checked, fill.fd, out, fill.attr.version)
+        self._copy_waits.measure(send_checked, fill.fd, out, fill.attr.version,
+                                 self._remote.call)
 
     def _finish(self, fill: _Fill) -> None:
         with self._lock:
