@@ -22,8 +22,9 @@ THREADS_PER_PROCESS files at once, for a remote whose copies wait.
 A process ends when the daemon's end of its socket closes, and takes no new file once the
 daemon is gone.
 
-Thread safety (daemon side): ``_lock`` guards ``_workers`` and each worker's ``pending``; it
-is a leaf lock.  Answers are handled on the worker's own ``fill-answers`` thread.
+Thread safety (daemon side): ``_lock`` guards ``_workers`` and each worker's ``pending``,
+``copies``, ``progress`` and ``copied``; it is a leaf lock.  Answers are handled, and a stuck
+process found, on the worker's own ``fill-answers`` thread.
 """
 
 from __future__ import annotations
