@@ -59,8 +59,13 @@ class CopyWaits:
                 / WAITING_COPIES_WINDOW
 
 
+def _direct(fn: Callable[..., int], *args) -> int:
+    """A piece copied with no bound of its own (a fill process: the daemon bounds it)."""
+    return fn(*args)
+
+
 def send_checked(src: int, out: int, version: Version,
-                 call: Callable[..., int] | None = None) -> None:
+                 call: Callable[..., int] = _direct) -> None:
     """Copy the whole remote file ``src`` into ``out`` in the kernel; RemoteChanged unless it
     is version ``version`` after the copy.  ``src`` was that version when it was opened
     (Remote.open_file checks it), and a write since, before the copy or during it, changes
@@ -72,8 +77,7 @@ def send_checked(src: int, out: int, version: Version,
     any usable speed is not taken for a remote that does not answer."""
     offset = 0
     while True:
-        offset = _copy_piece(src, out, version, offset) if call is None \
-            else call(_copy_piece, src, out, version, offset)
+        offset = call(_copy_piece, src, out, version, offset)
         if offset >= version.size:
             return
 

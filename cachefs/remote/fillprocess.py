@@ -101,7 +101,7 @@ def fill_one(src: int, tmp: str, version: Version) -> Outcome:
         checksums, allocated = copy_and_hash(
             out, version.size, lambda fd: send_checked(src, fd, version))
         whole = True
-        return Outcome(COPIED, checksums=tuple(checksums), allocated=allocated)
+        return Outcome(COPIED, checksums=checksums, allocated=allocated)
     except RemoteChanged as exc:
         return Outcome(CHANGED, message=str(exc))
     except CacheUnavailable as exc:

@@ -104,7 +104,7 @@ def _describe(exc: OSError) -> str:
     return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
 
 
-def checksums_of(fd: int, size: int) -> list[int]:
+def checksums_of(fd: int, size: int) -> tuple[int, ...]:
     """The checksum of each chunk of the ``size`` bytes the file behind ``fd`` holds (the pages
     just written), read piecewise into a buffer this thread reuses.  (A map of the file would
     copy nothing, but costs three times as much for a 64 KiB file: the map, its page faults
@@ -130,10 +130,10 @@ def checksums_of(fd: int, size: int) -> list[int]:
             hasher.update(buffer[:got])
             offset += got
         checksums.append(hasher.intdigest())
-    return checksums
+    return tuple(checksums)
 
 
-def copy_and_hash(fd: int, size: int, copy: Callable[[int], None]) -> tuple[list[int], int]:
+def copy_and_hash(fd: int, size: int, copy: Callable[[int], None]) -> tuple[tuple[int, ...], int]:
     """Have ``copy(fd)`` write a file of ``size`` bytes into the new file ``fd``, then hash it
     as written: (its chunks' checksums, the bytes it takes on the disk).  The one step of a
     fill, on a thread of the daemon (CacheStore.fill) or in a fill process (fillprocess.py);
