@@ -128,6 +128,11 @@ class Metrics:
             "hold (bounded by --attr-cache-entries)", registry=r)
         self.attr_cache_capacity_entries = Gauge(
             "cachefs_attr_cache_capacity_entries", "--attr-cache-entries", registry=r)
+        self.attr_listing_used_ratio = Gauge(
+            "cachefs_attr_listing_used_ratio", "Share of the names listed in the background "
+            "(directories looked up name by name) looked up while remembered, recent ones "
+            "weighing more; below 0.5 such listings mostly stop (NaN: none counted yet)",
+            registry=r)
         self.held_files = Gauge(
             "cachefs_held_files", "Cached files kept registered with the kernel between opens "
             "(bounded by cachefs_held_files_max)", registry=r)

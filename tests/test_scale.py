@@ -59,6 +59,38 @@ def test_a_tree_larger_than_every_bound_is_read_twice_with_the_right_bytes(
     assert mount.metric("cachefs_nodes") < len(files) / 2
 
 
+def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
+        source, remote, mount_cachefs):
+    """A directory looked up name by name is listed in the background, so that its other
+    names need no remote lookup; but when more names are walked than the attribute cache
+    holds, a listing's names are dropped before they are looked up, and each listing only
+    costs the remote and the daemon.  The daemon counts what its listings' names were used
+    for and stops listing (but for one in LISTING_PROBE_EVERY) once fewer than half were."""
+    from cachefs.remote.attrcache import LISTING_TALLY_MIN
+    from tests.conftest import make_files
+
+    directories, per_dir = 100, 200
+    rels = make_files(source, directories * per_dir, size=1, per_dir=per_dir)
+    mount = mount_cachefs(remote.path, attr_cache_entries=1000, revalidate=600)
+    by_dir = [rels[d * per_dir:(d + 1) * per_dir] for d in range(directories)]
+    before = dict(remote.stats()["ops"])
+    # Across the directories, as a shuffled epoch walks them: each directory's listing comes
+    # well before most of its names are looked up, by when the names of later listings
+    # have pushed them out.
+    for number in range(per_dir):
+        for names in by_dir:
+            assert os.lstat(mount.path / names[number]).st_size == 1
+    mount.settle()
+    listings = remote.stats()["ops"].get("readdir", 0) - before.get("readdir", 0)
+    # Each directory is decided on once (revalidate outlasts the walk): listed until the
+    # tally holds LISTING_TALLY_MIN names (all but a few of each listing's dropped unused),
+    # then one in LISTING_PROBE_EVERY.  Listing every one, as before, took 100.
+    assert LISTING_TALLY_MIN // per_dir <= listings <= directories // 2
+    memory = mount.status()["memory"]
+    assert memory["attr_listing_used_share"] < 0.5
+    assert mount.metric("cachefs_attr_listing_used_ratio") == memory["attr_listing_used_share"]
+
+
 def test_the_held_files_bound_is_a_share_of_the_memory_the_daemon_may_use(
         source, remote, mount_cachefs):
     from cachefs.service.memory import default_held_files, memory_limit_bytes

@@ -98,6 +98,10 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                                f"(at most {memory['attr_cache_capacity_entries']:,}); "
                                f"{memory['held_files']:,} files held registered "
                                f"(at most {memory['held_files_max']:,})"))
+        used = memory.get("attr_listing_used_share")
+        if used is not None:
+            rows.append(("listings", f"{used:.0%} of the names listed in the background "
+                                     "were used (under half: few directories listed)"))
     verification = st.get("verification")
     if verification:
         rows.append(("verified", _verification(verification)))

@@ -38,9 +38,12 @@ log = logging.getLogger(__name__)
 # its attributes in its node as well (mirror/nodes.py); these are for the names it does not
 # hold yet: a listing's, a hint's.
 DEFAULT_MAX_ENTRIES = 200_000
-# An entry: mode, size, uid, gid, nlink, atime, mtime, ctime, and when it was fetched (the
-# monotonic clock), packed: a fifth of the objects an Attr and a tuple take.
-_ENTRY = struct.Struct("<IQIIIqqqd")
+# An entry: mode, size, uid, gid, nlink, atime, mtime, ctime, when it was fetched (the
+# monotonic clock) and whether it came from a listing made for walked names and has not
+# been used since (LISTED_UNUSED), packed: a fifth of the objects an Attr and a tuple take.
+_ENTRY = struct.Struct("<IQIIIqqqdB")
+USED, LISTED_UNUSED = 0, 1
+_USED_FLAG = bytes([USED])
 # How long the kernel may keep entries and attributes that never change (--revalidate never).
 IMMUTABLE_KERNEL_SECONDS = 86400.0
 # Names of a listing remembered per turn of the lock.
@@ -52,15 +55,29 @@ LISTING_SLICE = 4096
 # 1/20 of its names' lookups would (5 us of CPU a name against 100 and a round trip).
 LIST_AFTER_LOOKUPS = 8
 LISTED_NAMES_MAX = 4096
+# A listing pays only when the names it brings are looked up while remembered: a name
+# listed costs about what its lookup on the remote would have (an lstat each; the listing
+# saves the round trip), so with fewer than half of them used the background listings cost
+# more than they save.  That is a dataset of more names than --attr-cache-entries read in a
+# random order (a million files: listing a directory after its eighth lookup brought 1,000
+# names a pass used a fifth of, 26 % of the daemon's time in a steady pass), or a pass over
+# a sample of the files.  Below that share, one walked directory in LISTING_PROBE_EVERY is
+# still listed, to see whether listings pay again (a pass over a smaller set, say).
+LISTING_PAYS_SHARE = 0.5
+LISTING_PROBE_EVERY = 16
+# Listed names counted (used, or dropped or due unused) before the share is trusted, and at
+# most: beyond that both counts are halved, so the share follows what the passes do now.
+LISTING_TALLY_MIN = 4096
+LISTING_TALLY_MAX = 65536
 
 
 class AttrCache:
     """Attributes by path relative to BACKING.
 
     Thread safety: ``_lock`` guards ``_entries``, ``_listed``, ``_listing``, ``_walked``,
-    ``_to_list`` and ``_names_listed`` (a leaf lock, never held across a remote call or a
-    wait).  Listings in the background run on one thread at a time, started when there is
-    one to make.
+    ``_to_list``, ``_names_listed``, ``_declined`` and the listing tally (a leaf lock, never
+    held across a remote call or a wait).  Listings in the background run on one thread at a
+    time, started when there is one to make.
     """
 
     def __init__(
@@ -88,6 +105,14 @@ class AttrCache:
         self._names_listed: dict[str, None] = {}
         self._to_list: dict[str, None] = {}
         self._lister_running = False
+        # Names of background listings looked up while remembered, and dropped or due
+        # unused; walked directories not listed since the last one listed.
+        self._listed_used = 0
+        self._listed_unused = 0
+        self._listings_skipped = 0
+        # directory -> when its background listing was declined (not listed again by its
+        # walk within the interval either: one decision per directory and interval).
+        self._declined: dict[str, float] = {}
 
     def get(self, relpath: str) -> Attr:
         """The file's attributes, fetched from the remote when older than the interval."""
@@ -96,6 +121,8 @@ class AttrCache:
         entry = None if raw is None else _unpack(raw)
         if entry is not None:
             if self._ttl is None or now - entry[1] < self._ttl or not self._remote.available:
+                if type(raw) is bytes and raw[-1] == LISTED_UNUSED:
+                    self._count_use(relpath, raw)
                 return entry[0]
         elif self._ttl is None:
             recorded = self._recorded_attr(relpath)
@@ -145,9 +172,11 @@ class AttrCache:
             return None
         return _unpack(raw)[0]
 
-    def list_directory(self, relpath: str) -> list[tuple[str, int]]:
+    def list_directory(self, relpath: str, *, tallied: bool = False) -> list[tuple[str, int]]:
         """(name, file type bits) of each entry of the directory, from the remote; the
-        attributes that come with the listing are remembered for the interval."""
+        attributes that come with the listing are remembered for the interval.
+        ``tallied``: a background listing for walked names, whose use is counted."""
+        flag = LISTED_UNUSED if tallied else USED
         started = time.monotonic()
         listing = self._remote.listdir(relpath)
         prefix = f"{relpath}/" if relpath else ""
@@ -164,7 +193,9 @@ class AttrCache:
                     if known is not None and _fetched(known) >= started:
                         entries[path] = known  # a lookup's, newer than the listing: kept
                     else:
-                        entries[path] = _pack(attr, started)
+                        if known is not None:
+                            self._count_unused_locked(known)
+                        entries[path] = _pack(attr, started, flag)
                 self._trim_locked()
         with self._lock:
             if len(self._listed) >= self._max_entries:
@@ -184,7 +215,7 @@ class AttrCache:
             return False
         return self._refresh_directory(relpath.rpartition("/")[0])
 
-    def _refresh_directory(self, directory: str) -> bool:
+    def _refresh_directory(self, directory: str, tallied: bool = False) -> bool:
         # A listing follows symlinks: only a directory reached through directories.
         if not self._reached_through_directories(directory):
             return False
@@ -202,7 +233,7 @@ class AttrCache:
             underway.wait(self._remote.timeout_seconds)
             return False
         try:
-            self.list_directory(directory)
+            self.list_directory(directory, tallied=tallied)
             return True
         except (RemoteUnavailable, OSError) as exc:
             log.debug("listing %r to refresh its attributes failed: %s", directory, exc)
@@ -223,7 +254,7 @@ class AttrCache:
         LIST_AFTER_LOOKUPS-th since its last listing has the directory listed."""
         with self._lock:
             if self._listed_within_locked(directory, now) or directory in self._to_list \
-                    or directory in self._listing:
+                    or directory in self._listing or self._declined_within_locked(directory, now):
                 return
             walked = self._walked.get(directory, 0) + 1
             if walked < LIST_AFTER_LOOKUPS:
@@ -256,10 +287,60 @@ class AttrCache:
                     return
                 directory = next(iter(self._to_list))
                 del self._to_list[directory]
+                # Decided here, not when it was queued: the tally is the newest now.
+                if not self._listings_pay_locked():
+                    if len(self._declined) >= self._max_entries:
+                        self._declined.clear()
+                    self._declined[directory] = time.monotonic()
+                    continue
             try:
-                self._refresh_directory(directory)
+                self._refresh_directory(directory, tallied=True)
             except Exception:  # the names are then looked up one by one, as before
                 log.exception("listing %r in the background failed", directory)
+
+    # -- whether background listings pay ---------------------------------------------------
+
+    def _listings_pay_locked(self) -> bool:
+        """Whether a walked directory is listed now: while at least LISTING_PAYS_SHARE of the
+        names so listed were used, and one in LISTING_PROBE_EVERY otherwise (each directory
+        is decided on once per interval)."""
+        used, unused = self._listed_used, self._listed_unused
+        if used + unused < LISTING_TALLY_MIN or used >= LISTING_PAYS_SHARE * (used + unused):
+            self._listings_skipped = 0
+            return True
+        self._listings_skipped += 1
+        if self._listings_skipped < LISTING_PROBE_EVERY:
+            return False
+        self._listings_skipped = 0
+        return True
+
+    def _declined_within_locked(self, directory: str, now: float) -> bool:
+        declined = self._declined.get(directory)
+        return declined is not None and (self._ttl is None or now - declined < self._ttl)
+
+    def _count_use(self, relpath: str, raw: bytes) -> None:
+        with self._lock:
+            if self._entries.get(relpath) is raw:  # not replaced or dropped meanwhile
+                self._entries[relpath] = raw[:-1] + _USED_FLAG  # its place in age order kept
+                self._listed_used += 1
+                self._halve_tally_locked()
+
+    def _count_unused_locked(self, raw: bytes | tuple[Attr, float]) -> None:
+        if type(raw) is bytes and raw[-1] == LISTED_UNUSED:
+            self._listed_unused += 1
+            self._halve_tally_locked()
+
+    def _halve_tally_locked(self) -> None:
+        if self._listed_used + self._listed_unused > LISTING_TALLY_MAX:
+            self._listed_used //= 2
+            self._listed_unused //= 2
+
+    @property
+    def listing_yield(self) -> float | None:
+        """The share of the names background listings brought that were used (recent ones
+        weigh more); None before any was counted."""
+        used, unused = self._listed_used, self._listed_unused
+        return used / (used + unused) if used + unused else None
 
     def _reached_through_directories(self, directory: str) -> bool:
         """Whether every component of ``directory`` is a directory (no symlink, which could
@@ -287,7 +368,9 @@ class AttrCache:
             self._remember_locked(relpath, attr, now)
 
     def _remember_locked(self, relpath: str, attr: Attr, now: float) -> None:
-        self._entries.pop(relpath, None)
+        known = self._entries.pop(relpath, None)
+        if known is not None:
+            self._count_unused_locked(known)  # due: looked up on the remote again
         self._entries[relpath] = _pack(attr, now)
         self._trim_locked()
 
@@ -295,7 +378,7 @@ class AttrCache:
         if len(self._entries) > self._max_entries:
             # Drop the oldest tenth: they would need a round trip soon anyway.
             for old in list(itertools.islice(self._entries, self._max_entries // 10)):
-                del self._entries[old]
+                self._count_unused_locked(self._entries.pop(old))
 
     @property
     def interval(self) -> float | None:
@@ -314,10 +397,10 @@ class AttrCache:
 _new_tuple = tuple.__new__
 
 
-def _pack(attr: Attr, fetched: float) -> bytes | tuple[Attr, float]:
+def _pack(attr: Attr, fetched: float, flag: int = USED) -> bytes | tuple[Attr, float]:
     try:
         return _ENTRY.pack(attr.mode, attr.size, attr.uid, attr.gid, attr.nlink,
-                           attr.atime_ns, attr.mtime_ns, attr.ctime_ns, fetched)
+                           attr.atime_ns, attr.mtime_ns, attr.ctime_ns, fetched, flag)
     except struct.error:  # a time past 2262 (a broken clock): kept as it is
         return attr, fetched
 
@@ -325,14 +408,14 @@ def _pack(attr: Attr, fetched: float) -> bytes | tuple[Attr, float]:
 def _unpack(raw: bytes | tuple[Attr, float]) -> tuple[Attr, float]:
     if type(raw) is tuple:
         return raw
-    mode, size, uid, gid, nlink, atime, mtime, ctime, fetched = _ENTRY.unpack(raw)
+    mode, size, uid, gid, nlink, atime, mtime, ctime, fetched, _ = _ENTRY.unpack(raw)
     return _new_tuple(Attr, (mode, size, uid, gid, nlink, atime, mtime, ctime)), fetched
 
 
 def _fetched(raw: bytes | tuple[Attr, float]) -> float:
     if type(raw) is tuple:
         return raw[1]
-    return _FETCHED.unpack_from(raw, _ENTRY.size - 8)[0]
+    return _FETCHED.unpack_from(raw, _ENTRY.size - 9)[0]
 
 
 _FETCHED = struct.Struct("<d")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import shutil
 import signal
@@ -172,6 +173,8 @@ class Daemon:
                               max_entries=s.attr_cache_entries)
             m.bind_gauge(m.attr_cache_entries, lambda: attrs.entries)
             m.attr_cache_capacity_entries.set(s.attr_cache_entries)
+            m.bind_gauge(m.attr_listing_used_ratio,
+                         lambda: math.nan if (share := attrs.listing_yield) is None else share)
             origin = RemoteOrigin(self.remote)
             if members is not None:
                 own_remote_bytes = functools.partial(m.value, "cachefs_remote_read_bytes_total")
@@ -434,6 +437,7 @@ class Daemon:
             "node_table_bytes": self.fs.nodes.memory_bytes if self.fs else 0,
             "attr_cache_entries": attrs.entries if attrs else 0,
             "attr_cache_capacity_entries": attrs.max_entries if attrs else 0,
+            "attr_listing_used_share": attrs.listing_yield if attrs else None,
             "held_files": self.fs.held_files if self.fs else 0,
             "held_files_max": self.fs.max_held_files if self.fs else 0,
         }
