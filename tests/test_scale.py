@@ -87,8 +87,11 @@ def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
     # then one in LISTING_PROBE_EVERY.  Listing every one, as before, took 100.
     assert LISTING_TALLY_MIN // per_dir <= listings <= directories // 2
     memory = mount.status()["memory"]
-    assert memory["attr_listing_used_share"] < 0.5
+    assert memory["attr_listing_used_share"] < 0.5 and not memory["attr_listings_pay"]
     assert mount.metric("cachefs_attr_listing_used_ratio") == memory["attr_listing_used_share"]
+    shown = subprocess.run([sys.executable, "-m", "cachefs", "status", str(mount.path)],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert "one walked directory in 16 listed" in shown
 
 
 def test_the_held_files_bound_is_a_share_of_the_memory_the_daemon_may_use(

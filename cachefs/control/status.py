@@ -100,8 +100,10 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                                f"(at most {memory['held_files_max']:,})"))
         used = memory.get("attr_listing_used_share")
         if used is not None:
-            rows.append(("listings", f"{used:.0%} of the names listed in the background "
-                                     "were used (under half: few directories listed)"))
+            listed = "directories walked name by name listed" \
+                if memory.get("attr_listings_pay", True) else "one walked directory in 16 listed"
+            rows.append(("listings", f"{used:.0%} of the names listed in the background were "
+                                     f"used: {listed}"))
     verification = st.get("verification")
     if verification:
         rows.append(("verified", _verification(verification)))

@@ -301,11 +301,9 @@ class AttrCache:
     # -- whether background listings pay ---------------------------------------------------
 
     def _listings_pay_locked(self) -> bool:
-        """Whether a walked directory is listed now: while at least LISTING_PAYS_SHARE of the
-        names so listed were used, and one in LISTING_PROBE_EVERY otherwise (each directory
-        is decided on once per interval)."""
-        used, unused = self._listed_used, self._listed_unused
-        if used + unused < LISTING_TALLY_MIN or used >= LISTING_PAYS_SHARE * (used + unused):
+        """Whether a walked directory is listed now: while listings pay, and one in
+        LISTING_PROBE_EVERY otherwise (each directory is decided on once per interval)."""
+        if self.listings_pay:
             self._listings_skipped = 0
             return True
         self._listings_skipped += 1
@@ -336,7 +334,14 @@ class AttrCache:
             self._listed_unused //= 2
 
     @property
-    def listing_yield(self) -> float | None:
+    def listings_pay(self) -> bool:
+        """Whether at least LISTING_PAYS_SHARE of the names background listings brought were
+        used (or too few were counted yet to say)."""
+        used, unused = self._listed_used, self._listed_unused
+        return used + unused < LISTING_TALLY_MIN or used >= LISTING_PAYS_SHARE * (used + unused)
+
+    @property
+    def listing_used_share(self) -> float | None:
         """The share of the names background listings brought that were used (recent ones
         weigh more); None before any was counted."""
         used, unused = self._listed_used, self._listed_unused

@@ -174,7 +174,7 @@ class Daemon:
             m.bind_gauge(m.attr_cache_entries, lambda: attrs.entries)
             m.attr_cache_capacity_entries.set(s.attr_cache_entries)
             m.bind_gauge(m.attr_listing_used_ratio,
-                         lambda: math.nan if (share := attrs.listing_yield) is None else share)
+                         lambda: math.nan if (share := attrs.listing_used_share) is None else share)
             origin = RemoteOrigin(self.remote)
             if members is not None:
                 own_remote_bytes = functools.partial(m.value, "cachefs_remote_read_bytes_total")
@@ -437,7 +437,8 @@ class Daemon:
             "node_table_bytes": self.fs.nodes.memory_bytes if self.fs else 0,
             "attr_cache_entries": attrs.entries if attrs else 0,
             "attr_cache_capacity_entries": attrs.max_entries if attrs else 0,
-            "attr_listing_used_share": attrs.listing_yield if attrs else None,
+            "attr_listing_used_share": attrs.listing_used_share if attrs else None,
+            "attr_listings_pay": attrs.listings_pay if attrs else True,
             "held_files": self.fs.held_files if self.fs else 0,
             "held_files_max": self.fs.max_held_files if self.fs else 0,
         }
