@@ -66,7 +66,7 @@ def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
     holds, a listing's names are dropped before they are looked up, and each listing only
     costs the remote and the daemon.  The daemon counts what its listings' names were used
     for and stops listing (but for one in LISTING_PROBE_EVERY) once fewer than half were."""
-    from cachefs.remote.attrcache import LISTING_TALLY_MIN
+    from cachefs.remote.attrcache import LISTING_PROBE_EVERY, LISTING_TALLY_MIN
     from tests.conftest import make_files
 
     directories, per_dir = 100, 200
@@ -91,7 +91,7 @@ def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
     assert mount.metric("cachefs_attr_listing_used_ratio") == memory["attr_listing_used_share"]
     shown = subprocess.run([sys.executable, "-m", "cachefs", "status", str(mount.path)],
                            capture_output=True, text=True, timeout=30).stdout
-    assert "one walked directory in 16 listed" in shown
+    assert f"one walked directory in {LISTING_PROBE_EVERY} listed" in shown
 
 
 def test_the_held_files_bound_is_a_share_of_the_memory_the_daemon_may_use(

@@ -101,7 +101,8 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
         used = memory.get("attr_listing_used_share")
         if used is not None:
             listed = "directories walked name by name listed" \
-                if memory.get("attr_listings_pay", True) else "one walked directory in 16 listed"
+                if memory.get("attr_listings_pay", True) \
+                else f"one walked directory in {memory.get('attr_listing_probe_every', '?')} listed"
             rows.append(("listings", f"{used:.0%} of the names listed in the background were "
                                      f"used: {listed}"))
     verification = st.get("verification")

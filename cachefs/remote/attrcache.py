@@ -71,6 +71,26 @@ LISTING_TALLY_MIN = 4096
 LISTING_TALLY_MAX = 65536
 
 
+class RecentDirectories(dict):
+    """directory -> when it was last listed or decided on, or how often it was walked;
+    forgotten all at once at ``limit`` entries.  A directory forgotten is only listed or
+    decided on again: these maps steer work, they never answer a lookup."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, directory: str, value: float) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[directory] = value
+
+    def within(self, directory: str, now: float, ttl: float | None) -> bool:
+        """Whether ``directory``'s time is less than ``ttl`` old (``None``: for ever)."""
+        when = self.get(directory)
+        return when is not None and (ttl is None or now - when < ttl)
+
+
 class AttrCache:
     """Attributes by path relative to BACKING.
 
@@ -96,13 +116,13 @@ class AttrCache:
         # packed _ENTRY (an Attr and the time only for times that do not pack)
         self._entries: dict[str, bytes | tuple[Attr, float]] = {}
         # directory -> when its last listing started; directories being listed now.
-        self._listed: dict[str, float] = {}
+        self._listed = RecentDirectories(max_entries)
         self._listing: dict[str, threading.Event] = {}
         # directory -> names looked up on the remote one by one since it was last listed;
         # directories waiting for the background listing, and whether its thread runs.
-        self._walked: dict[str, int] = {}
+        self._walked = RecentDirectories(max_entries)
         # Directories whose names the kernel has without attributes (names_listed).
-        self._names_listed: dict[str, None] = {}
+        self._names_listed = RecentDirectories(LISTED_NAMES_MAX)
         self._to_list: dict[str, None] = {}
         self._lister_running = False
         # Names of background listings looked up while remembered, and dropped or due
@@ -112,7 +132,7 @@ class AttrCache:
         self._listings_skipped = 0
         # directory -> when its background listing was declined (not listed again by its
         # walk within the interval either: one decision per directory and interval).
-        self._declined: dict[str, float] = {}
+        self._declined = RecentDirectories(max_entries)
 
     def get(self, relpath: str) -> Attr:
         """The file's attributes, fetched from the remote when older than the interval."""
@@ -198,9 +218,7 @@ class AttrCache:
                         entries[path] = _pack(attr, started, flag)
                 self._trim_locked()
         with self._lock:
-            if len(self._listed) >= self._max_entries:
-                self._listed.clear()
-            self._listed[relpath] = started
+            self._listed.put(relpath, started)
             self._walked.pop(relpath, None)
         return [(name, kind) for name, kind, _ in listing]
 
@@ -223,7 +241,7 @@ class AttrCache:
         with self._lock:
             underway = self._listing.get(directory)
             if underway is None:
-                if self._listed_within_locked(directory, now):
+                if self._listed.within(directory, now, self._ttl):
                     return False  # listed within the interval: the name was not in it
                 underway = self._listing[directory] = threading.Event()
                 mine = True
@@ -243,24 +261,19 @@ class AttrCache:
                 del self._listing[directory]
             underway.set()
 
-    def _listed_within_locked(self, directory: str, now: float) -> bool:
-        listed = self._listed.get(directory)
-        return listed is not None and (self._ttl is None or now - listed < self._ttl)
-
     # -- directories walked name by name: listed in the background ---------------------------
 
     def _count_walk(self, directory: str, now: float) -> None:
         """One more name of ``directory`` looked up on the remote on its own; the
         LIST_AFTER_LOOKUPS-th since its last listing has the directory listed."""
         with self._lock:
-            if self._listed_within_locked(directory, now) or directory in self._to_list \
-                    or directory in self._listing or self._declined_within_locked(directory, now):
+            if directory in self._to_list or directory in self._listing \
+                    or self._listed.within(directory, now, self._ttl) \
+                    or self._declined.within(directory, now, self._ttl):
                 return
             walked = self._walked.get(directory, 0) + 1
             if walked < LIST_AFTER_LOOKUPS:
-                if len(self._walked) >= self._max_entries:
-                    self._walked.clear()
-                self._walked[directory] = walked
+                self._walked.put(directory, walked)
                 return
             self._walked.pop(directory, None)
             self._to_list[directory] = None
@@ -275,9 +288,7 @@ class AttrCache:
         looked up without attributes in memory has the whole directory listed with them,
         the lookups meanwhile waiting for that listing, not asking name by name."""
         with self._lock:
-            if len(self._names_listed) >= LISTED_NAMES_MAX:
-                self._names_listed.clear()
-            self._names_listed[directory] = None
+            self._names_listed.put(directory, 0.0)
 
     def _list_walked(self) -> None:
         while True:
@@ -289,9 +300,7 @@ class AttrCache:
                 del self._to_list[directory]
                 # Decided here, not when it was queued: the tally is the newest now.
                 if not self._listings_pay_locked():
-                    if len(self._declined) >= self._max_entries:
-                        self._declined.clear()
-                    self._declined[directory] = time.monotonic()
+                    self._declined.put(directory, time.monotonic())
                     continue
             try:
                 self._refresh_directory(directory, tallied=True)
@@ -311,10 +320,6 @@ class AttrCache:
             return False
         self._listings_skipped = 0
         return True
-
-    def _declined_within_locked(self, directory: str, now: float) -> bool:
-        declined = self._declined.get(directory)
-        return declined is not None and (self._ttl is None or now - declined < self._ttl)
 
     def _count_use(self, relpath: str, raw: bytes) -> None:
         with self._lock:
