@@ -101,6 +101,11 @@ def test_bad_paths(setup, tmp_path):
                                str(mnt / "cache"), "--cache-size", "1G"), mnt=mnt)
     assert_refused(run_cachefs("mount", str(source), str(source / "class0000"), *base),
                    "contain each other")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert_refused(run_cachefs("mount", str(source), str(mnt), "--cache-dir", str(a_file),
+                               "--cache-size", "1G"), "cache dir", "not a directory", mnt=mnt)
+    assert a_file.read_text() == "x"
 
 
 def test_cache_dir_that_is_not_a_cache_is_left_alone(setup):

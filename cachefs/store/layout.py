@@ -97,8 +97,10 @@ class CacheLayout:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             entries = set(os.listdir(self.root))
         except OSError as exc:
+            # mkdir's EEXIST (exist_ok) means a file, not a directory, has the name.
+            reason = "not a directory" if isinstance(exc, FileExistsError) else exc.strerror
             raise UsageError(
-                f"cannot use cache dir {self.root}: {exc.strerror}; "
+                f"cannot use cache dir {self.root}: {reason}; "
                 "choose a writable directory on the local SSD"
             ) from None
         if MARKER_NAME in entries:
