@@ -271,9 +271,9 @@ class NoIdleCPUs:
     that slept) costs the waker system time: on the 2-core VM this was written on, a fill
     cost the daemon 674 - 744 us of CPU with the CPUs idling and 270 - 352 us without
     (5,000 files, the local tree as the remote, 2 rounds in turns), and its voluntary
-    context switches fell from 28 per file to 3 - 4.  What waits on the disk may go slower
-    meanwhile (cached reads with the page cache dropped: 2,945 - 4,644 files/s against 3,386
-    - 6,036): the busy CPUs share the host with the hypervisor's own I/O."""
+    context switches per fill from 28 to 3 - 4 (passes of 8,000 files).  What waits on the
+    disk may go slower meanwhile (cached reads with the page cache dropped: 2,945 - 4,644
+    files/s against 3,386 - 6,036): the busy CPUs share the host with the hypervisor's I/O."""
 
     def __enter__(self) -> NoIdleCPUs:
         self._loops = [multiprocessing.Process(target=_busy_loop, daemon=True)
