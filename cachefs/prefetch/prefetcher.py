@@ -7,9 +7,11 @@ the cache when it is admitted, otherwise into the bounded staging area, from
 which one reader takes it.  Either way the reader waits for no remote round
 trip.  Where the kernel reads the remote itself (remote/handover.py), a kept
 file is copied into the cache by the kernel and a file not kept is staged as
-its open remote file, its pages read ahead by the kernel: the bytes never pass
-through the daemon, and a reader arriving while a file is being copied is
-handed the copy's open file at once rather than waiting for it.
+its open remote file, its pages read in by the kernel first (a copy to
+/dev/null on the worker's thread, so the reads in flight stay bounded by the
+workers): the bytes never pass through the daemon, and a reader arriving while
+a file is being copied is handed the copy's open file at once rather than
+waiting for it.
 
 Hints are advisory and come from any local user, so each is checked
 (paths.py), the queue is bounded, a hint is counted exactly once by what became
