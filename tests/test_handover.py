@@ -177,6 +177,27 @@ def test_hinted_misses_are_staged_as_open_remote_files(source, remote, mount_cac
     assert mount.status()["prefetch"]["staging_bytes"] == 0
 
 
+def test_a_reader_during_the_staging_read_leaves_nothing_staged(source, remote, mount_cachefs):
+    """A reader that opens a hinted file not kept while its pages are being read in is
+    handed the remote file itself and reads the same pages: the staged copy, meant for that
+    reader, is not left behind holding staging room until its time to live."""
+    from cachefs_client import send_hints
+
+    data = random.Random(5).randbytes(400_000)
+    (source / "big.bin").write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    remote.configure(bandwidth_mbps=1)  # the read-in takes some 0.4 s
+    assert send_hints([mount.path / "big.bin"]) == 1
+    wait_for(lambda: mount.status()["prefetch"]["inflight"] == 1, what="the read-in under way")
+    assert _whole(mount.path / "big.bin") == data
+    wait_for(lambda: mount.status()["hints"]["accepted"] == 1, what="the prefetch done")
+    prefetch = mount.status()["prefetch"]
+    assert prefetch["staging_bytes"] == 0
+    assert (prefetch["used"], prefetch["wasted"]) == (1, 0)
+
+
 def _reading_during_a_slow_fill(mount, remote, rel: str, mbps: float):
     """``rel`` open through the mount and its first 4 KiB read, the remote slowed to ``mbps``
     MB/s so that the fill this open started is still copying (under tmp/) on return: the

@@ -265,10 +265,13 @@ class CachedTree:
 
     def _hand_over(self, relpath: str, key: bytes, attr: Attr, *, admit: bool,
                    underway: bool, for_kernel: bool) -> Located:
+        # ``underway``: a prefetch is copying the file or reading it in, and its pages are
+        # on their way (the reader shares them through the remote file's page cache).
         handed = self.remote_files.open_for_reader(relpath, key, attr, keep=admit,
-                                                   for_kernel=for_kernel)
-        if handed.shared and underway:  # a prefetch's copy opened it: its pages are coming
-            return Located("remote", "prefetched", "prefetch", fd=handed.fd)
+                                                   for_kernel=for_kernel, prefetching=underway)
+        if underway:
+            return Located("remote", "prefetched", "prefetch", fd=handed.fd,
+                           readable=handed.readable)
         return Located("remote", "miss", "remote", fd=handed.fd, readable=handed.readable)
 
     def read_through(self, relpath: str, attr: Attr) -> Located:

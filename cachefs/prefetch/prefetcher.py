@@ -416,8 +416,17 @@ class Prefetcher:
         with self._cond:
             active = self._active[relpath]
             active.staged_for, active.staged_version = active.extra_hints, attr.version
+            # A reader that came while the remote file was read in was handed the file
+            # itself (on_open: it reads the same pages, it does not wait): staged for the
+            # hints beyond its own only, else held for nobody until its time to live.
+            readers = 1 + active.staged_for - (kind == "remote" and active.opened)
+        if not readers:
+            os.close(fd)
+            self.staging.release(attr.size)
+            self._outcome["used"].inc()
+            return
         self.staging.put(relpath, attr.version, fd, attr.size, reserved=attr.size,
-                         readers=1 + active.staged_for, kind=kind)
+                         readers=readers, kind=kind)
 
     def _maintain_locked(self) -> None:
         """Now and then: count prefetches nobody read as wasted."""

@@ -131,10 +131,11 @@ class RemoteFiles:
     # -- for a reader ------------------------------------------------------------------------
 
     def open_for_reader(self, relpath: str, key: bytes, attr: Attr, *, keep: bool,
-                        for_kernel: bool = True) -> Handed:
+                        for_kernel: bool = True, prefetching: bool = False) -> Handed:
         """A descriptor of the remote's file, version ``attr``, for a reader (the caller's to
         close): the kernel (``for_kernel``) or a process handed it over the control socket.
         With ``keep`` the file is also filled into the cache, in the background.
+        ``prefetching``: a prefetch is bringing the file's pages, and counts their bytes.
 
         The kernel opens the file anew for each reader it is handed to (passthrough opens
         a backing file of its own from the one registered).  So for it a file not kept is
@@ -145,12 +146,13 @@ class RemoteFiles:
             fill = self._fills.get(ident)
             if fill is not None and fill.fd >= 0:
                 return Handed(os.dup(fill.fd), shared=True)
+        counted = 0 if prefetching else attr.size
         if not keep and for_kernel:
             fd = self._remote.locate_file(relpath, attr.version)
-            self._remote.count_read(attr.size)
+            self._remote.count_read(counted)
             return Handed(fd, readable=False)
         fd = self._remote.open_file(relpath, attr.version)
-        self._remote.count_read(attr.size)
+        self._remote.count_read(counted)
         if keep and fill is None:
             self._queue_fill(relpath, key, attr, fd)
         return Handed(fd)
