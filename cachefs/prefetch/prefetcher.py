@@ -419,7 +419,8 @@ class Prefetcher:
             # A reader that came while the remote file was read in was handed the file
             # itself (on_open: it reads the same pages, it does not wait): staged for the
             # hints beyond its own only, else held for nobody until its time to live.
-            readers = 1 + active.staged_for - (kind == "remote" and active.opened)
+            came_first = kind == "remote" and active.opened
+            readers = active.staged_for + (0 if came_first else 1)
         if not readers:
             os.close(fd)
             self.staging.release(attr.size)

@@ -6,13 +6,13 @@ of the remote.  What waits here is a descriptor per file, until a reader opens
 the file; that reader takes the descriptor (the kernel reads it, or the fast
 path hands it over) and it leaves the area.  Where the kernel reads the remote
 itself, the descriptor is the remote's own open file, whose pages the kernel
-read in before it was staged; otherwise an anonymous memory file (memfd) holding the
-bytes.  Either way the area holds at most ``capacity_bytes`` of files (memory
-of the daemon's, or pages in the kernel's cache) and ``max_files``
-descriptors.  A file hinted again before it was read (the end of one epoch and
-the start of the next can name the same file) waits for as many readers as
-hints.  Files nobody takes within ``ttl_seconds`` are dropped and counted as
-wasted.
+read in before it was staged; otherwise an anonymous memory file (memfd)
+holding the bytes.  Either way the area holds at most ``capacity_bytes`` of
+files (memory of the daemon's, or pages in the kernel's cache) and
+``max_files`` descriptors.  A file hinted again before it was read (the end of
+one epoch and the start of the next can name the same file) waits for as many
+readers as hints.  Files nobody takes within ``ttl_seconds`` are dropped and
+counted as wasted.
 """
 
 from __future__ import annotations
