@@ -179,8 +179,9 @@ def test_hinted_misses_are_staged_as_open_remote_files(source, remote, mount_cac
 
 def test_a_reader_during_the_staging_read_leaves_nothing_staged(source, remote, mount_cachefs):
     """A reader that opens a hinted file not kept while its pages are being read in is
-    handed the remote file itself and reads the same pages: the staged copy, meant for that
-    reader, is not left behind holding staging room until its time to live."""
+    handed the file the prefetch is reading and reads the pages as they come: the staged
+    copy, meant for that reader, is not left behind holding staging room until its time to
+    live."""
     from cachefs_client import send_hints
 
     data = random.Random(5).randbytes(400_000)
@@ -192,6 +193,7 @@ def test_a_reader_during_the_staging_read_leaves_nothing_staged(source, remote, 
     assert send_hints([mount.path / "big.bin"]) == 1
     wait_for(lambda: mount.status()["prefetch"]["inflight"] == 1, what="the read-in under way")
     assert _whole(mount.path / "big.bin") == data
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
     wait_for(lambda: mount.status()["hints"]["accepted"] == 1, what="the prefetch done")
     prefetch = mount.status()["prefetch"]
     assert prefetch["staging_bytes"] == 0

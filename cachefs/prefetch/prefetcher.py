@@ -120,6 +120,7 @@ class _Active:
     staged_for: int = 0   # of those, already counted in the staged copy
     staged_version: Version | None = None
     into_cache: bool = False  # this prefetch stored the file (not found cached already)
+    reading: int = -1  # the remote file being read in for staging, shared with a reader
 
 
 @dataclass
@@ -227,6 +228,8 @@ class Prefetcher:
             # The kernel is copying it, or staging it: no waiting (a reader never waits
             # for a copy); the reader is handed the prefetch's open remote file, or its own.
             taken = self._take_staged(relpath, attr)
+            if taken.staged is None:
+                taken = self._share_reading(active)
             return taken if taken.staged is not None else Prefetched(underway=True)
         # A file whose bytes are on the way: wait for them rather than read them a second
         # time.  (A large file is not waited for as a whole: its chunks are shared with
@@ -244,6 +247,14 @@ class Prefetcher:
     def _wait_for_prefetch(active: _Active, timeout: float) -> bool:
         with remotewait.waiting(remote_call=False):
             return active.done.wait(timeout)
+
+    def _share_reading(self, active: _Active) -> Prefetched:
+        """The remote file a prefetch is reading in for staging, for a reader that came
+        first: it reads the pages as they arrive (counted used as the prefetch ends)."""
+        with self._cond:
+            if active.reading < 0:
+                return Prefetched()
+            return Prefetched(staged=os.dup(active.reading), staged_kind="remote")
 
     def _take_staged(self, relpath: str, attr: Attr) -> Prefetched:
         if relpath in self.staging:
@@ -407,7 +418,7 @@ class Prefetcher:
         kind = "remote" if self._hands_over(relpath) else "memory"
         try:
             if kind == "remote":
-                fd = self.remote_files.open_ahead(relpath, attr)
+                fd = self._read_in(relpath, attr)
             else:
                 fd = memory_file(relpath, self.fetcher.origin.read_file(relpath, attr).data)
         except BaseException:
@@ -416,9 +427,9 @@ class Prefetcher:
         with self._cond:
             active = self._active[relpath]
             active.staged_for, active.staged_version = active.extra_hints, attr.version
-            # A reader that came while the remote file was read in was handed the file
-            # itself (on_open: it reads the same pages, it does not wait): staged for the
-            # hints beyond its own only, else held for nobody until its time to live.
+            # A reader that came while the remote file was read in was handed it (on_open:
+            # it reads the same pages, it does not wait): staged for the hints beyond its
+            # own only, else held for nobody until its time to live.
             came_first = kind == "remote" and active.opened
             readers = active.staged_for + (0 if came_first else 1)
         if not readers:
@@ -428,6 +439,24 @@ class Prefetcher:
             return
         self.staging.put(relpath, attr.version, fd, attr.size, reserved=attr.size,
                          readers=readers, kind=kind)
+
+    def _read_in(self, relpath: str, attr: Attr) -> int:
+        """The remote file, open and read into the kernel's cache of it (the caller's);
+        shared meanwhile with a reader who comes first (``_share_reading``)."""
+        fd = self.remote_files.open_ahead(relpath, attr)
+        with self._cond:
+            active = self._active[relpath]
+            active.reading = fd
+        try:
+            self.remote_files.read_in(fd, attr)
+        except BaseException:
+            with self._cond:
+                active.reading = -1
+            os.close(fd)
+            raise
+        with self._cond:
+            active.reading = -1
+        return fd
 
     def _maintain_locked(self) -> None:
         """Now and then: count prefetches nobody read as wasted."""

@@ -2,7 +2,7 @@
 and its read of a remote file into the remote file's own page cache, checked the same way.
 
 Used by a fill thread of the daemon (handover.py), by a fill process (fillprocess.py) and by
-a prefetch that stages a remote file (handover.py ``open_ahead``).
+a prefetch that stages a remote file (handover.py ``read_in``).
 """
 
 from __future__ import annotations

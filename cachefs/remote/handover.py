@@ -158,25 +158,24 @@ class RemoteFiles:
         return Handed(fd)
 
     def open_ahead(self, relpath: str, attr: Attr) -> int:
-        """A descriptor of the remote's file for a reader to come, its pages read into the
-        kernel's cache of it by the time this returns (the caller's to close).
+        """A descriptor of the remote's file for a reader to come (the caller's to close),
+        to be read in (:meth:`read_in`) before it is staged."""
+        return self._remote.open_file(relpath, attr.version)
 
-        Read in here, on the prefetch's thread, not left to posix_fadvise(WILLNEED): that
-        readahead is asynchronous, so a burst of hints queued the reads of every staged
-        file at once (up to --staging-size) ahead of those a reader waited for, which a
-        remote serves in order (one link, one NFS connection); and it is advice, which a
-        client whose requests queue up drops in part.  Read in, the reads in flight are
-        bounded by the prefetch's concurrency.  First epoch at f = 0.2 with hints (the
-        EFS-like remote, 3,000 files, 2 rounds in turns): 881 - 891 samples/s against 766 -
-        781 with WILLNEED, the worst batch's wait 550 - 570 ms against 550 - 918."""
-        fd = self._remote.open_file(relpath, attr.version)
-        try:
-            read_checked(fd, attr.version, self._remote.call)
-        except BaseException:
-            os.close(fd)
-            raise
+    def read_in(self, fd: int, attr: Attr) -> None:
+        """Read the remote file ``fd`` (version ``attr``) into the kernel's cache of its
+        pages, on this thread: RemoteChanged if it changed meanwhile.
+
+        Read in here, not left to posix_fadvise(WILLNEED): that readahead is asynchronous,
+        so a burst of hints queued the reads of every staged file at once (up to
+        --staging-size) ahead of those a reader waited for, which a remote serves in order
+        (one link, one NFS connection); and it is advice, which a client whose requests
+        queue up drops in part.  Read in, the reads in flight are bounded by the prefetch's
+        concurrency.  First epoch at f = 0.2 with hints (the EFS-like remote, 3,000 files,
+        2 rounds in turns): 881 - 891 samples/s against 766 - 781 with WILLNEED, the worst
+        batch's wait 550 - 570 ms against 550 - 918."""
+        read_checked(fd, attr.version, self._remote.call)
         self._remote.count_read(attr.size)
-        return fd
 
     # -- fills -------------------------------------------------------------------------------
 
