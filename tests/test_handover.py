@@ -16,6 +16,7 @@ import random
 import signal
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,73 @@ def test_a_reader_during_the_staging_read_leaves_nothing_staged(source, remote, 
     prefetch = mount.status()["prefetch"]
     assert prefetch["staging_bytes"] == 0
     assert (prefetch["used"], prefetch["wasted"]) == (1, 0)
+
+
+@pytest.mark.parametrize("prefetch", ["reads-in", "fails"])
+def test_a_reader_before_the_staging_read_is_a_miss_counted_once(source, remote,
+                                                                 mount_cachefs, prefetch):
+    """A reader that opens a hinted file not kept before its prefetch has opened it (here:
+    the prefetch waits for staging room) reads the remote itself: a miss, its bytes counted
+    once, whether the prefetch then reads the file in (sharing the reader's pages) or
+    fails."""
+    from cachefs_client import send_hints
+
+    rng = random.Random(9)
+    staged = {f"a{i}.bin": rng.randbytes(60_000) for i in range(4)}  # the staging, full
+    late = rng.randbytes(60_000)
+    for rel, data in [*staged.items(), ("b.bin", late)]:
+        (source / rel).write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=0.0, staging_size=240_000, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    assert send_hints([mount.path / rel for rel in staged]) == len(staged)
+    wait_for(lambda: mount.status()["prefetch"]["staging_bytes"] == 240_000,
+             what="the staging full")
+    assert send_hints([mount.path / "b.bin"]) == 1
+    wait_for(lambda: mount.status()["prefetch"]["inflight"] == 1, what="b's prefetch waiting")
+    assert _whole(mount.path / "b.bin") == late
+    if prefetch == "fails":
+        remote.set_fault("errno", errno=errno.EIO, ops=["open"], glob="b.bin")
+    for rel, data in staged.items():  # room for b's prefetch
+        assert _whole(mount.path / rel) == data
+    wait_for(lambda: mount.status()["hints"]["accepted"] == len(staged) + 1,
+             what="b's prefetch done")
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == len(staged)
+    assert mount.metric("cachefs_file_opens_total", result="miss") == 1  # b
+    assert mount.metric("cachefs_remote_read_bytes_total") == 60_000 * (len(staged) + 1)
+    assert mount.status()["prefetch"]["staging_bytes"] == 0
+
+
+def test_a_reader_before_the_prefetchs_fill_opens_is_a_miss_counted_once(
+        source, remote, mount_cachefs):
+    """A kept file whose prefetch has not opened the remote file yet (its open hangs here):
+    a reader then opens the file itself, a miss, and counts its bytes; the fill, which
+    shares the reader's pages, does not count them again."""
+    from cachefs_client import send_hints
+
+    data = random.Random(13).randbytes(300_000)
+    (source / "k.bin").write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=1.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    os.stat(mount.path / "k.bin")  # looked up: the prefetch goes straight to the fill
+    remote.set_fault("hang", ops=["open"], glob="k.bin")
+    try:
+        assert send_hints([mount.path / "k.bin"]) == 1
+        wait_for(lambda: remote.stats()["hung_now"] == 1, what="the fill's open hung")
+        reader = ThreadPoolExecutor(1)
+        read = reader.submit(_whole, mount.path / "k.bin")
+        wait_for(lambda: remote.stats()["hung_now"] == 2, what="the reader's open hung")
+    finally:
+        remote.clear_faults()
+    assert read.result(timeout=30) == data
+    reader.shutdown()
+    mount.settle()
+    assert mount.metric("cachefs_file_opens_total", result="miss") == 1
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 0
+    assert mount.metric("cachefs_fills_total", result="stored") == 1
+    assert mount.metric("cachefs_remote_read_bytes_total") == len(data)
+    assert _whole(mount.path / "k.bin") == data
 
 
 def _reading_during_a_slow_fill(mount, remote, rel: str, mbps: float):

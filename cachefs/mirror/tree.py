@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from cachefs.attr import Attr
 from cachefs.errors import CacheCorrupt, RemoteChanged
 from cachefs.metrics import OPEN_RESULTS, READ_SOURCES, Metrics
-from cachefs.prefetch.prefetcher import Prefetcher
+from cachefs.prefetch.prefetcher import Prefetched, Prefetcher
 from cachefs.prefetch.staging import memory_file
 from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
@@ -217,8 +217,7 @@ class CachedTree:
             # from"), and copies a kept file into the cache beside the reader.  So may a
             # fast-path reader.
             found = self._hand_over(relpath, key, attr, admit=eligible and self.store.admitting,
-                                    underway=prefetched is not None and prefetched.underway,
-                                    for_kernel=fetch)
+                                    prefetched=prefetched, for_kernel=fetch)
         if not fetch and (found is None or found.kind == "chunks"):
             return None
         if found is None:
@@ -264,12 +263,15 @@ class CachedTree:
         return not self.fetcher.origin.from_peer(relpath)
 
     def _hand_over(self, relpath: str, key: bytes, attr: Attr, *, admit: bool,
-                   underway: bool, for_kernel: bool) -> Located:
-        # ``underway``: a prefetch is copying the file or reading it in, and its pages are
-        # on their way (the reader shares them through the remote file's page cache).
+                   prefetched: Prefetched | None, for_kernel: bool) -> Located:
+        # Served by a prefetch: the reader shares the open file of its fill (the pages on
+        # their way), or it read the file in (the pages cached, their bytes counted).  A
+        # reader that came first opens the file itself, a miss, whose pages a fill to come
+        # shares through the remote file's page cache.
+        fetched = prefetched is not None and prefetched.fetched
         handed = self.remote_files.open_for_reader(relpath, key, attr, keep=admit,
-                                                   for_kernel=for_kernel, prefetching=underway)
-        if underway:
+                                                   for_kernel=for_kernel, counted=fetched)
+        if fetched or handed.shared and prefetched is not None and prefetched.underway:
             return Located("remote", "prefetched", "prefetch", fd=handed.fd,
                            readable=handed.readable)
         return Located("remote", "miss", "remote", fd=handed.fd, readable=handed.readable)

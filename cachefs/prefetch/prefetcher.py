@@ -121,6 +121,10 @@ class _Active:
     staged_version: Version | None = None
     into_cache: bool = False  # this prefetch stored the file (not found cached already)
     reading: int = -1  # the remote file being read in for staging, shared with a reader
+    read_in: bool = False  # that read-in is done: the file's pages are cached
+    # A reader came before the read-in opened the file: its own open counts the bytes,
+    # which the read-in then shares through the remote file's pages.
+    reader_counted: bool = False
 
 
 @dataclass
@@ -130,7 +134,9 @@ class Prefetched:
     staged: int | None = None     # a descriptor of the whole file, now the reader's
     staged_kind: str = "memory"   # what it is: a memory file, or the remote's own file
     into_cache: bool = False      # prefetched into the cache and not read since
-    underway: bool = False        # being copied into the cache by the kernel right now
+    # A prefetch is filling it: a reader who shares the fill's open file is served by it.
+    underway: bool = False
+    fetched: bool = False         # read in whole by the prefetch, its bytes counted
 
 
 class Prefetcher:
@@ -228,9 +234,7 @@ class Prefetcher:
             # The kernel is copying it, or staging it: no waiting (a reader never waits
             # for a copy); the reader is handed the prefetch's open remote file, or its own.
             taken = self._take_staged(relpath, attr)
-            if taken.staged is None:
-                taken = self._share_reading(active)
-            return taken if taken.staged is not None else Prefetched(underway=True)
+            return taken if taken.staged is not None else self._share_reading(active)
         # A file whose bytes are on the way: wait for them rather than read them a second
         # time.  (A large file is not waited for as a whole: its chunks are shared with
         # the reader one by one through the fetcher.)  If the prefetch fails or is slow,
@@ -249,12 +253,17 @@ class Prefetcher:
             return active.done.wait(timeout)
 
     def _share_reading(self, active: _Active) -> Prefetched:
-        """The remote file a prefetch is reading in for staging, for a reader that came
-        first: it reads the pages as they arrive (counted used as the prefetch ends)."""
+        """For a reader that came before the prefetch staged the file or while it fills it:
+        the remote file it is reading in (the reader reads the pages as they arrive;
+        counted used as the prefetch ends), or what the reader's own open will find."""
         with self._cond:
-            if active.reading < 0:
-                return Prefetched()
-            return Prefetched(staged=os.dup(active.reading), staged_kind="remote")
+            if active.reading >= 0:
+                return Prefetched(staged=os.dup(active.reading), staged_kind="remote")
+            if active.read_in:  # about to be staged, for the hints beyond this reader's
+                return Prefetched(fetched=True)
+            # Not read in yet (resolving the name, waiting for staging room), or a fill.
+            active.reader_counted = True
+            return Prefetched(underway=True)
 
     def _take_staged(self, relpath: str, attr: Attr) -> Prefetched:
         if relpath in self.staging:
@@ -455,7 +464,10 @@ class Prefetcher:
             os.close(fd)
             raise
         with self._cond:
-            active.reading = -1
+            active.reading, active.read_in = -1, True
+            counted = active.reader_counted
+        if not counted:
+            self.remote_files.count_read(attr.size)
         return fd
 
     def _maintain_locked(self) -> None:

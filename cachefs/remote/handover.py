@@ -131,11 +131,12 @@ class RemoteFiles:
     # -- for a reader ------------------------------------------------------------------------
 
     def open_for_reader(self, relpath: str, key: bytes, attr: Attr, *, keep: bool,
-                        for_kernel: bool = True, prefetching: bool = False) -> Handed:
+                        for_kernel: bool = True, counted: bool = False) -> Handed:
         """A descriptor of the remote's file, version ``attr``, for a reader (the caller's to
         close): the kernel (``for_kernel``) or a process handed it over the control socket.
-        With ``keep`` the file is also filled into the cache, in the background.
-        ``prefetching``: a prefetch is bringing the file's pages, and counts their bytes.
+        With ``keep`` the file is also filled into the cache, in the background.  Its bytes
+        are counted as read from the remote here, unless ``counted`` (a prefetch read them
+        in and counted them) or the reader shares a fill's open file (the fill counts them).
 
         The kernel opens the file anew for each reader it is handed to (passthrough opens
         a backing file of its own from the one registered).  So for it a file not kept is
@@ -144,15 +145,19 @@ class RemoteFiles:
         ident = (key, attr.version)
         with self._lock:
             fill = self._fills.get(ident)
-            if fill is not None and fill.fd >= 0:
-                return Handed(os.dup(fill.fd), shared=True)
-        counted = 0 if prefetching else attr.size
+            if fill is not None:
+                if fill.fd >= 0:
+                    return Handed(os.dup(fill.fd), shared=True)
+                # A fill not yet open (a prefetch's): this reader's own reads bring the
+                # pages its copy will share, so they are counted here, once.
+                fill.counted = True
+        nbytes = 0 if counted else attr.size
         if not keep and for_kernel:
             fd = self._remote.locate_file(relpath, attr.version)
-            self._remote.count_read(counted)
+            self._remote.count_read(nbytes)
             return Handed(fd, readable=False)
         fd = self._remote.open_file(relpath, attr.version)
-        self._remote.count_read(counted)
+        self._remote.count_read(nbytes)
         if keep and fill is None:
             self._queue_fill(relpath, key, attr, fd)
         return Handed(fd)
@@ -173,9 +178,15 @@ class RemoteFiles:
         queue up drops in part.  Read in, the reads in flight are bounded by the prefetch's
         concurrency.  First epoch at f = 0.2 with hints (the EFS-like remote, 3,000 files,
         2 rounds in turns): 881 - 891 samples/s against 766 - 781 with WILLNEED, the worst
-        batch's wait 550 - 570 ms against 550 - 918."""
+        batch's wait 550 - 570 ms against 550 - 918.
+
+        The bytes are the caller's to count (:meth:`count_read`): a reader may have counted
+        them already."""
         read_checked(fd, attr.version, self._remote.call)
-        self._remote.count_read(attr.size)
+
+    def count_read(self, nbytes: int) -> None:
+        """Count bytes read from the remote for the cache or a reader."""
+        self._remote.count_read(nbytes)
 
     # -- fills -------------------------------------------------------------------------------
 
