@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.driver import drop_page_cache
 from cachefs.attr import Version
 from cachefs.store.index import FLUSH_SECONDS, data_key
 from cachefs.store.layout import CacheLayout
@@ -266,6 +267,32 @@ def test_a_reader_before_the_prefetchs_fill_opens_is_a_miss_counted_once(
     assert mount.metric("cachefs_fills_total", result="stored") == 1
     assert mount.metric("cachefs_remote_read_bytes_total") == len(data)
     assert _whole(mount.path / "k.bin") == data
+
+
+def test_remote_bytes_counted_are_those_the_remote_sent_for_staged_files(
+        source, remote, mount_cachefs):
+    """A hinted file staged from pages a reader just pulled (the next epoch's hint, arriving
+    while this epoch reads the file) fetches nothing, and counts nothing; its next reader,
+    after those pages were dropped, fetches it again, and that counts.  So
+    ``cachefs_remote_read_bytes_total`` follows the bytes the remote sent."""
+    from cachefs_client import send_hints
+
+    data = random.Random(17).randbytes(200_000)
+    (source / "x.bin").write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    before = remote.stats()["read_bytes"]
+    assert _whole(mount.path / "x.bin") == data  # a miss: the remote sends the file
+    assert send_hints([mount.path / "x.bin"]) == 1
+    wait_for(lambda: mount.status()["hints"]["accepted"] == 1, what="x.bin staged")
+    assert remote.stats()["read_bytes"] - before == len(data)
+    assert mount.metric("cachefs_remote_read_bytes_total") == len(data)
+    drop_page_cache()
+    assert _whole(mount.path / "x.bin") == data  # the staged file, its pages gone
+    assert remote.stats()["read_bytes"] - before == 2 * len(data)
+    assert mount.metric("cachefs_remote_read_bytes_total") == 2 * len(data)
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
 
 
 def _reading_during_a_slow_fill(mount, remote, rel: str, mbps: float):

@@ -270,6 +270,8 @@ class Prefetcher:
             taken = self.staging.take(relpath, attr.version)
             if taken is not None:
                 self._outcome["used"].inc()
+                if taken.kind == "remote":
+                    self.remote_files.count_staged_read(taken.fd, attr)
                 return Prefetched(staged=taken.fd, staged_kind=taken.kind)
         return Prefetched()
 
@@ -457,7 +459,7 @@ class Prefetcher:
             active = self._active[relpath]
             active.reading = fd
         try:
-            self.remote_files.read_in(fd, attr)
+            fetched = self.remote_files.read_in(fd, attr)
         except BaseException:
             with self._cond:
                 active.reading = -1
@@ -467,7 +469,7 @@ class Prefetcher:
             active.reading, active.read_in = -1, True
             counted = active.reader_counted
         if not counted:
-            self.remote_files.count_read(attr.size)
+            self.remote_files.count_read(fetched)
         return fd
 
     def _maintain_locked(self) -> None:

@@ -40,6 +40,7 @@ from cachefs.attr import Attr, Version
 from cachefs.errors import CachefsError, RemoteChanged
 from cachefs.remote.copy import CopyWaits, read_checked, send_checked
 from cachefs.remote.fillprocess import CHANGED, COPIED, DISK, FillProcesses, Outcome
+from cachefs.remote.pagecache import uncached_bytes
 from cachefs.remote.remote import Remote
 from cachefs.store.store import CacheStore, FillPlace
 
@@ -167,9 +168,10 @@ class RemoteFiles:
         to be read in (:meth:`read_in`) before it is staged."""
         return self._remote.open_file(relpath, attr.version)
 
-    def read_in(self, fd: int, attr: Attr) -> None:
+    def read_in(self, fd: int, attr: Attr) -> int:
         """Read the remote file ``fd`` (version ``attr``) into the kernel's cache of its
-        pages, on this thread: RemoteChanged if it changed meanwhile.
+        pages, on this thread: RemoteChanged if it changed meanwhile.  Returns the bytes
+        that were not cached (what the read fetched).
 
         Read in here, not left to posix_fadvise(WILLNEED): that readahead is asynchronous,
         so a burst of hints queued the reads of every staged file at once (up to
@@ -182,11 +184,18 @@ class RemoteFiles:
 
         The bytes are the caller's to count (:meth:`count_read`): a reader may have counted
         them already."""
+        fetched = uncached_bytes(fd, attr.size)
         read_checked(fd, attr.version, self._remote.call)
+        return fetched
 
     def count_read(self, nbytes: int) -> None:
         """Count bytes read from the remote for the cache or a reader."""
         self._remote.count_read(nbytes)
+
+    def count_staged_read(self, fd: int, attr: Attr) -> None:
+        """Count what a reader handed a remote file read in earlier (``fd``) will fetch:
+        the pages of it dropped from the page cache since."""
+        self._remote.count_read(uncached_bytes(fd, attr.size))
 
     # -- fills -------------------------------------------------------------------------------
 
