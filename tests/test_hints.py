@@ -238,6 +238,24 @@ def test_hints_take_the_remote_off_the_critical_path(tmp_path, source, remote, m
         + wasted * 60_000
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops the page cache")
+def test_remote_bytes_counted_in_a_hinted_first_epoch_are_those_the_remote_sent(
+        source, remote, mount_cachefs):
+    """f = 1, the first epoch with hints: readers overtake the prefetch, share its fills'
+    files, or open files whose fill ends as they come; each file's bytes are counted once,
+    as the remote sent them once."""
+    rels = make_files(source, 300, size=(20_000, 120_000))
+    remote.configure(meta_ms=0.5, open_ms=2.0, read_ms=2.0, bandwidth_mbps=100)
+    mount = mount_cachefs(remote.path, fraction=1.0)
+    before = remote.stats()["read_bytes"]
+    train_epochs(mount, rels, hints=True, epochs=1, step_seconds=0.0)
+    mount.settle()
+    sent = remote.stats()["read_bytes"] - before
+    assert sent == sum((source / rel).stat().st_size for rel in rels)
+    assert mount.metric("cachefs_remote_read_bytes_total") == sent
+    assert mount.status()["cache_files"] == len(rels)
+
+
 def test_worker_read_mid_prefetch_fetches_once(source, remote, mount_cachefs):
     """A reader opening a file that is being prefetched waits for that fetch."""
     (source / "big.bin").write_bytes(os.urandom(3 * 2**20))

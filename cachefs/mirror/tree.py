@@ -218,6 +218,12 @@ class CachedTree:
             # fast-path reader.
             found = self._hand_over(relpath, key, attr, admit=eligible and self.store.admitting,
                                     prefetched=prefetched, for_kernel=fetch)
+            if found is None:  # a fill stored it meanwhile
+                record = self.store.lookup(key)
+                result, source = ("prefetched", "prefetch") if prefetched is not None \
+                    and prefetched.underway else (cache_result, cache_source)
+                found = None if record is None else self._cached(relpath, key, attr, record,
+                                                                 result, source)
         if not fetch and (found is None or found.kind == "chunks"):
             return None
         if found is None:
@@ -263,7 +269,7 @@ class CachedTree:
         return not self.fetcher.origin.from_peer(relpath)
 
     def _hand_over(self, relpath: str, key: bytes, attr: Attr, *, admit: bool,
-                   prefetched: Prefetched | None, for_kernel: bool) -> Located:
+                   prefetched: Prefetched | None, for_kernel: bool) -> Located | None:
         # Served by a prefetch: the reader shares the open file of its fill (the pages on
         # their way), or it read the file in (the pages cached, their bytes counted).  A
         # reader that came first opens the file itself, a miss, whose pages a fill to come
@@ -271,6 +277,8 @@ class CachedTree:
         fetched = prefetched is not None and prefetched.fetched
         handed = self.remote_files.open_for_reader(relpath, key, attr, keep=admit,
                                                    for_kernel=for_kernel, counted=fetched)
+        if handed is None:
+            return None
         if fetched or handed.shared and prefetched is not None and prefetched.underway:
             return Located("remote", "prefetched", "prefetch", fd=handed.fd,
                            readable=handed.readable)

@@ -89,8 +89,8 @@ class _Fill:
     key: bytes
     attr: Attr
     fd: int = -1
-    # Its bytes are counted as read from the remote already (a reader's, whose pages the
-    # copy shares); else the copy counts them.
+    # Its bytes are counted as read from the remote: by the copy, or by a reader with an
+    # open file of its own whose pages the copy shares, whichever claimed them first.
     counted: bool = False
     # Where a fill process writes it, and the room held for it.
     place: FillPlace | None = None
@@ -132,7 +132,7 @@ class RemoteFiles:
     # -- for a reader ------------------------------------------------------------------------
 
     def open_for_reader(self, relpath: str, key: bytes, attr: Attr, *, keep: bool,
-                        for_kernel: bool = True, counted: bool = False) -> Handed:
+                        for_kernel: bool = True, counted: bool = False) -> Handed | None:
         """A descriptor of the remote's file, version ``attr``, for a reader (the caller's to
         close): the kernel (``for_kernel``) or a process handed it over the control socket.
         With ``keep`` the file is also filled into the cache, in the background.  Its bytes
@@ -142,25 +142,29 @@ class RemoteFiles:
         The kernel opens the file anew for each reader it is handed to (passthrough opens
         a backing file of its own from the one registered).  So for it a file not kept is
         named by an O_PATH descriptor, a path walk and no NFS OPEN of ours: one OPEN per
-        miss, the kernel's.  A kept one is opened for reading, for the copy."""
+        miss, the kernel's.  A kept one is opened for reading, for the copy.
+
+        None when a fill stored this version since the caller looked in the cache: the
+        caller serves the cache's copy."""
         ident = (key, attr.version)
         with self._lock:
             fill = self._fills.get(ident)
-            if fill is not None:
-                if fill.fd >= 0:
-                    return Handed(os.dup(fill.fd), shared=True)
-                # A fill not yet open (a prefetch's): this reader's own reads bring the
-                # pages its copy will share, so they are counted here, once.
-                fill.counted = True
-        nbytes = 0 if counted else attr.size
+            if fill is not None and fill.fd >= 0:
+                return Handed(os.dup(fill.fd), shared=True)
+        # A fill is stored before it leaves ``_fills``: one not found there has not begun,
+        # or has stored the file already (a reader that came as a prefetch's fill ended:
+        # a second copy, and its bytes counted twice, 1 - 2 % of a first epoch's files).
+        if keep and fill is None and self._stored(key, attr):
+            return None
         if not keep and for_kernel:
             fd = self._remote.locate_file(relpath, attr.version)
-            self._remote.count_read(nbytes)
+            self._remote.count_read(0 if counted else attr.size)
             return Handed(fd, readable=False)
         fd = self._remote.open_file(relpath, attr.version)
-        self._remote.count_read(nbytes)
-        if keep and fill is None:
-            self._queue_fill(relpath, key, attr, fd)
+        # With a fill (this reader's, or a prefetch's not yet open), the reader's reads and
+        # the copy share the pages: whichever of the two claims the bytes first counts them.
+        if (not keep or self._queue_fill(relpath, key, attr, fd)) and not counted:
+            self._remote.count_read(attr.size)
         return Handed(fd)
 
     def open_ahead(self, relpath: str, attr: Attr) -> int:
@@ -213,6 +217,10 @@ class RemoteFiles:
             self._wait(fill)
             return
         try:
+            # A reader's fill that ended since the caller looked has stored it (see
+            # open_for_reader): not copied, nor counted, twice.
+            if self._stored(key, attr):
+                return
             fd = self._remote.open_file(relpath, attr.version)
             with self._lock:
                 fill.fd = fd
@@ -220,18 +228,37 @@ class RemoteFiles:
         finally:
             self._finish(fill)
 
+    def _stored(self, key: bytes, attr: Attr) -> bool:
+        record = self._store.lookup(key)
+        return record is not None and record.version == attr.version \
+            and self._store.is_complete(record)
+
     def _wait(self, fill: _Fill) -> None:
         ident = (fill.key, fill.attr.version)
         with remotewait.waiting(remote_call=False), self._done:
             self._done.wait_for(lambda: self._fills.get(ident) is not fill,
                                 self._remote.timeout_seconds + 1.0)
 
-    def _queue_fill(self, relpath: str, key: bytes, attr: Attr, reader_fd: int) -> None:
+    def _queue_fill(self, relpath: str, key: bytes, attr: Attr, reader_fd: int) -> bool:
+        """A fill of the file a reader opened (``reader_fd``), unless one is under way;
+        whether the reader counts the bytes (see :meth:`_claim_count_locked`)."""
         ident = (key, attr.version)
+        with self._lock:
+            fill = self._fills.get(ident)
+            if fill is not None:
+                return self._claim_count_locked(fill)
+        # None under way: none began, or a prefetch's ended while the reader opened the file
+        # (a fill is stored before it leaves ``_fills``), having counted the bytes the reader
+        # now finds in the remote file's pages.
+        if self._stored(key, attr):
+            return False
         thread = None
         with self._lock:
-            if ident in self._fills or self._closed:
-                return
+            fill = self._fills.get(ident)
+            if fill is not None:  # begun meanwhile
+                return self._claim_count_locked(fill)
+            if self._closed:
+                return True
             elsewhere = self._processes is not None and self._processes.takes(attr.size)
             backlog = len(self._fills) if elsewhere else self._queued
             skipped = backlog >= MAX_QUEUED_FILLS
@@ -243,13 +270,21 @@ class RemoteFiles:
                     thread = self._thread_wanted_locked()
         if skipped:
             self._on_fill("skipped")
-            return
+            return True
         if elsewhere:
             self._send_to_process(fill)
-            return
+            return True
         self._queue.put(fill)
         if thread is not None:
             thread.start()
+        return True
+
+    @staticmethod
+    def _claim_count_locked(fill: _Fill) -> bool:
+        """Whether the caller counts the fill's bytes: the first to ask, of the copy and a
+        reader with its own open file, does."""
+        claimed, fill.counted = not fill.counted, True
+        return claimed
 
     def _thread_wanted_locked(self) -> threading.Thread | None:
         """A new fill thread (to be started), where the queue says one helps."""
@@ -317,7 +352,9 @@ class RemoteFiles:
         self._on_fill("stored" if stored else "not_stored")
 
     def _copy(self, fill: _Fill, out: int) -> None:
-        if not fill.counted:
+        with self._lock:
+            claimed = self._claim_count_locked(fill)
+        if claimed:
             self._remote.count_read(fill.attr.size)
         self._copy_waits.measure(send_checked, fill.fd, out, fill.attr.version,
                                  self._remote.call)
