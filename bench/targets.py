@@ -13,6 +13,9 @@ from bench.variants import CACHEFS, LOCAL, PEER_FRACTION
 
 HIT_RATIO_TOLERANCE = 0.01
 REMOTE_BYTES_SLACK = 1.02
+# cachefs_remote_read_bytes_total against what the emulated remote served, each epoch.
+COUNTED_BYTES_TOLERANCE = 0.02
+COUNTED_BYTES_TARGET = f"remote bytes counted = served (± {COUNTED_BYTES_TOLERANCE:.0%})"
 SPEEDUP_OVER_DIRECT = 3.0
 SPEEDUP_OVER_RCLONE = 4.0
 # A fully cached dataset read with hints (the fast path) against the local copy.
@@ -150,6 +153,7 @@ def _cache_verdicts(results: dict) -> list[dict]:
                                 "not measured", v["variant"]))
             out.append(_verdict("remote bytes <= 1.02 x floor", None, "not measured",
                                 v["variant"]))
+            out.append(_verdict(COUNTED_BYTES_TARGET, None, "not measured", v["variant"]))
             continue
         ratios = [x["hit_ratio"] or 0.0 for x in figures]
         # The hash keeps each file with probability f: the share it keeps of this dataset
@@ -161,13 +165,34 @@ def _cache_verdicts(results: dict) -> list[dict]:
             all(abs(r - expected) <= HIT_RATIO_TOLERANCE for r in ratios),
             f"{min(ratios):.3f} - {max(ratios):.3f} (share kept: {expected:.3f})",
             v["variant"]))
+        # What the remote sent, as it counts it; the daemon's own count is judged below.
         limit = REMOTE_BYTES_SLACK * (1 - f) * total
-        worst = max(x["remote_bytes"] for x in figures)
+        worst = max(_served(x) for x in figures)
         out.append(_verdict(
             "remote bytes <= 1.02 x (1 - f) x dataset", worst <= limit,
             f"{worst / 2**20:.1f} MiB, limit {limit / 2**20:.1f} MiB "
             f"({worst / total:.3f} of the dataset)", v["variant"]))
+        out.append(_counted_verdict(v, total))
     return out
+
+
+def _served(figures: dict) -> float:
+    served = figures["emulator_bytes"]
+    return figures["remote_bytes"] if served is None else served
+
+
+def _counted_verdict(variant: dict, total: int) -> dict:
+    """Whether cachefs_remote_read_bytes_total tells what the remote sent, every epoch."""
+    errors = []
+    for epoch in variant["epochs"]:
+        x = epoch_figures(variant, epoch, total)
+        if x["emulator_bytes"]:
+            errors.append(x["remote_bytes"] / x["emulator_bytes"] - 1)
+    if not errors:
+        return _verdict(COUNTED_BYTES_TARGET, None, "not measured", variant["variant"])
+    return _verdict(
+        COUNTED_BYTES_TARGET, all(abs(e) <= COUNTED_BYTES_TOLERANCE for e in errors),
+        f"{min(errors):+.1%} - {max(errors):+.1%} over the epochs", variant["variant"])
 
 
 def _speed(v: dict | None) -> tuple[float | None, str]:
