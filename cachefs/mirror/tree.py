@@ -218,12 +218,13 @@ class CachedTree:
             # fast-path reader.
             found = self._hand_over(relpath, key, attr, admit=eligible and self.store.admitting,
                                     prefetched=prefetched, for_kernel=fetch)
-            if found is None:  # a fill stored it meanwhile
+            if found is None:  # a fill stored it meanwhile: the cache's copy
+                if prefetched is not None and prefetched.underway:  # the prefetch's fill
+                    cache_result, cache_source = "prefetched", "prefetch"
                 record = self.store.lookup(key)
-                result, source = ("prefetched", "prefetch") if prefetched is not None \
-                    and prefetched.underway else (cache_result, cache_source)
-                found = None if record is None else self._cached(relpath, key, attr, record,
-                                                                 result, source)
+                if record is not None:
+                    found = self._cached(relpath, key, attr, record, cache_result,
+                                         cache_source)
         if not fetch and (found is None or found.kind == "chunks"):
             return None
         if found is None:
