@@ -202,6 +202,33 @@ def test_a_reader_during_the_staging_read_leaves_nothing_staged(source, remote, 
     assert (prefetch["used"], prefetch["wasted"]) == (1, 0)
 
 
+def test_a_reader_sharing_a_read_in_that_fails_counts_its_own_bytes(source, remote,
+                                                                    mount_cachefs):
+    """A reader handed the file a prefetch reads in, whose read-in then fails: the reader
+    reads the rest from the remote itself, and the file's bytes are counted (the read-in,
+    which was to count them, never did)."""
+    from cachefs_client import send_hints
+
+    data = random.Random(19).randbytes(400_000)
+    (source / "big.bin").write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    remote.configure(bandwidth_mbps=0.2)  # the read-in takes some 2 s
+    assert send_hints([mount.path / "big.bin"]) == 1
+    wait_for(lambda: mount.status()["prefetch"]["inflight"] == 1, what="the read-in under way")
+    with open(mount.path / "big.bin", "rb", buffering=0) as f:
+        remote.set_fault("errno", errno=errno.EIO, ops=["read"])  # the read-in's next read
+        try:
+            wait_for(lambda: mount.status()["prefetch"]["failed"] == 1, timeout=20,
+                     what="the read-in given up")
+        finally:
+            remote.clear_faults()
+        assert f.read() == data
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
+    assert mount.metric("cachefs_remote_read_bytes_total") == len(data)
+
+
 @pytest.mark.parametrize("prefetch", ["reads-in", "fails"])
 def test_a_reader_before_the_staging_read_is_a_miss_counted_once(source, remote,
                                                                  mount_cachefs, prefetch):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from cachefs import remotewait
 from cachefs.attr import Attr, Version
-from cachefs.errors import CachefsError, NotInTree
+from cachefs.errors import CachefsError, NotInTree, RemoteChanged
 from cachefs.metrics import Metrics
 from cachefs.prefetch.paths import Caller, normalize, resolve, searchable_directory_of
 from cachefs.prefetch.staging import StagingArea, memory_file
@@ -121,6 +121,7 @@ class _Active:
     staged_version: Version | None = None
     into_cache: bool = False  # this prefetch stored the file (not found cached already)
     reading: int = -1  # the remote file being read in for staging, shared with a reader
+    reading_shared: bool = False  # handed to a reader
     read_in: bool = False  # that read-in is done: the file's pages are cached
     # A reader came before the read-in opened the file: its own open counts the bytes,
     # which the read-in then shares through the remote file's pages.
@@ -258,6 +259,7 @@ class Prefetcher:
         counted used as the prefetch ends), or what the reader's own open will find."""
         with self._cond:
             if active.reading >= 0:
+                active.reading_shared = True
                 return Prefetched(staged=os.dup(active.reading), staged_kind="remote")
             if active.read_in:  # about to be staged, for the hints beyond this reader's
                 return Prefetched(fetched=True)
@@ -460,10 +462,15 @@ class Prefetcher:
             active.reading = fd
         try:
             fetched = self.remote_files.read_in(fd, attr)
-        except BaseException:
+        except BaseException as exc:
             with self._cond:
                 active.reading = -1
+                shared = active.reading_shared
             os.close(fd)
+            if shared and not isinstance(exc, RemoteChanged):
+                # The reader it was handed to reads the rest from the remote itself: the
+                # file's bytes, which the read-in was to count.
+                self.remote_files.count_read(attr.size)
             raise
         with self._cond:
             active.reading, active.read_in = -1, True

@@ -92,6 +92,7 @@ class _Fill:
     # Its bytes are counted as read from the remote: by the copy, or by a reader with an
     # open file of its own whose pages the copy shares, whichever claimed them first.
     counted: bool = False
+    shared: bool = False  # ``fd`` was handed to a reader
     # Where a fill process writes it, and the room held for it.
     place: FillPlace | None = None
 
@@ -150,6 +151,7 @@ class RemoteFiles:
         with self._lock:
             fill = self._fills.get(ident)
             if fill is not None and fill.fd >= 0:
+                fill.shared = True
                 return Handed(os.dup(fill.fd), shared=True)
         # A fill is stored before it leaves ``_fills``: one not found there has not begun,
         # or has stored the file already (a reader that came as a prefetch's fill ended:
@@ -364,7 +366,12 @@ class RemoteFiles:
             if self._fills.get((fill.key, fill.attr.version)) is fill:
                 del self._fills[(fill.key, fill.attr.version)]
             fd, fill.fd = fill.fd, -1
+            # Readers were handed its file but no copy counted the bytes (the cache had no
+            # room for it, say): they read them from the remote.
+            unclaimed = fill.shared and self._claim_count_locked(fill)
             self._done.notify_all()
+        if unclaimed:
+            self._remote.count_read(fill.attr.size)
         if fd >= 0:
             os.close(fd)
 
