@@ -179,11 +179,9 @@ def test_hinted_misses_are_staged_as_open_remote_files(source, remote, mount_cac
     assert mount.status()["prefetch"]["staging_bytes"] == 0
 
 
-def test_a_reader_during_the_staging_read_leaves_nothing_staged(source, remote, mount_cachefs):
-    """A reader that opens a hinted file not kept while its pages are being read in is
-    handed the file the prefetch is reading and reads the pages as they come: the staged
-    copy, meant for that reader, is not left behind holding staging room until its time to
-    live."""
+def _reading_in(source, remote, mount_cachefs, mbps: float):
+    """A hinted file not kept, 400,000 bytes, being read in for staging over a link slowed
+    to ``mbps`` MB/s: the mount and the file's bytes."""
     from cachefs_client import send_hints
 
     data = random.Random(5).randbytes(400_000)
@@ -191,9 +189,18 @@ def test_a_reader_during_the_staging_read_leaves_nothing_staged(source, remote, 
     mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
     if not mount.hands_over_remote:
         pytest.skip("this kernel takes no backing files")
-    remote.configure(bandwidth_mbps=1)  # the read-in takes some 0.4 s
+    remote.configure(bandwidth_mbps=mbps)
     assert send_hints([mount.path / "big.bin"]) == 1
     wait_for(lambda: mount.status()["prefetch"]["inflight"] == 1, what="the read-in under way")
+    return mount, data
+
+
+def test_a_reader_during_the_staging_read_leaves_nothing_staged(source, remote, mount_cachefs):
+    """A reader that opens a hinted file not kept while its pages are being read in is
+    handed the file the prefetch is reading and reads the pages as they come: the staged
+    copy, meant for that reader, is not left behind holding staging room until its time to
+    live."""
+    mount, data = _reading_in(source, remote, mount_cachefs, mbps=1)  # for some 0.4 s
     assert _whole(mount.path / "big.bin") == data
     assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
     wait_for(lambda: mount.status()["hints"]["accepted"] == 1, what="the prefetch done")
@@ -207,16 +214,7 @@ def test_a_reader_sharing_a_read_in_that_fails_counts_its_own_bytes(source, remo
     """A reader handed the file a prefetch reads in, whose read-in then fails: the reader
     reads the rest from the remote itself, and the file's bytes are counted (the read-in,
     which was to count them, never did)."""
-    from cachefs_client import send_hints
-
-    data = random.Random(19).randbytes(400_000)
-    (source / "big.bin").write_bytes(data)
-    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
-    if not mount.hands_over_remote:
-        pytest.skip("this kernel takes no backing files")
-    remote.configure(bandwidth_mbps=0.2)  # the read-in takes some 2 s
-    assert send_hints([mount.path / "big.bin"]) == 1
-    wait_for(lambda: mount.status()["prefetch"]["inflight"] == 1, what="the read-in under way")
+    mount, data = _reading_in(source, remote, mount_cachefs, mbps=0.2)  # for some 2 s
     with open(mount.path / "big.bin", "rb", buffering=0) as f:
         remote.set_fault("errno", errno=errno.EIO, ops=["read"])  # the read-in's next read
         try:
