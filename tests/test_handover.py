@@ -320,6 +320,26 @@ def test_remote_bytes_counted_are_those_the_remote_sent_for_staged_files(
     assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
 
 
+def test_a_file_hinted_as_a_reader_opens_it_is_counted_once(source, remote, mount_cachefs):
+    """The next epoch's hint for a file this epoch's reader has just opened, before that
+    reader's reads begin: the staged file is not read in again beside the reader, and the
+    bytes the remote sends once are counted once."""
+    from cachefs_client import send_hints
+
+    data = random.Random(23).randbytes(300_000)
+    (source / "y.bin").write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    before = remote.stats()["read_bytes"]
+    with open(mount.path / "y.bin", "rb", buffering=0) as f:
+        assert send_hints([mount.path / "y.bin"]) == 1
+        wait_for(lambda: mount.status()["hints"]["accepted"] == 1, what="y.bin staged")
+        assert f.read() == data
+    assert remote.stats()["read_bytes"] - before == len(data)
+    assert mount.metric("cachefs_remote_read_bytes_total") == len(data)
+
+
 def _reading_during_a_slow_fill(mount, remote, rel: str, mbps: float):
     """``rel`` open through the mount and its first 4 KiB read, the remote slowed to ``mbps``
     MB/s so that the fill this open started is still copying (under tmp/) on return: the
