@@ -179,16 +179,23 @@ def test_hinted_misses_are_staged_as_open_remote_files(source, remote, mount_cac
     assert mount.status()["prefetch"]["staging_bytes"] == 0
 
 
+def _not_kept(source, remote, mount_cachefs, rel: str, seed: int):
+    """A file of 400,000 random bytes at ``rel``, mounted at f = 0 (kept by none) where the
+    kernel takes backing files: the mount and the file's bytes."""
+    data = random.Random(seed).randbytes(400_000)
+    (source / rel).write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    return mount, data
+
+
 def _reading_in(source, remote, mount_cachefs, mbps: float):
     """A hinted file not kept, 400,000 bytes, being read in for staging over a link slowed
     to ``mbps`` MB/s: the mount and the file's bytes."""
     from cachefs_client import send_hints
 
-    data = random.Random(5).randbytes(400_000)
-    (source / "big.bin").write_bytes(data)
-    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
-    if not mount.hands_over_remote:
-        pytest.skip("this kernel takes no backing files")
+    mount, data = _not_kept(source, remote, mount_cachefs, "big.bin", seed=5)
     remote.configure(bandwidth_mbps=mbps)
     assert send_hints([mount.path / "big.bin"]) == 1
     wait_for(lambda: mount.status()["prefetch"]["inflight"] == 1, what="the read-in under way")
@@ -302,11 +309,7 @@ def test_remote_bytes_counted_are_those_the_remote_sent_for_staged_files(
     ``cachefs_remote_read_bytes_total`` follows the bytes the remote sent."""
     from cachefs_client import send_hints
 
-    data = random.Random(17).randbytes(200_000)
-    (source / "x.bin").write_bytes(data)
-    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
-    if not mount.hands_over_remote:
-        pytest.skip("this kernel takes no backing files")
+    mount, data = _not_kept(source, remote, mount_cachefs, "x.bin", seed=17)
     before = remote.stats()["read_bytes"]
     assert _whole(mount.path / "x.bin") == data  # a miss: the remote sends the file
     assert send_hints([mount.path / "x.bin"]) == 1
@@ -326,11 +329,7 @@ def test_a_file_hinted_as_a_reader_opens_it_is_counted_once(source, remote, moun
     bytes the remote sends once are counted once."""
     from cachefs_client import send_hints
 
-    data = random.Random(23).randbytes(300_000)
-    (source / "y.bin").write_bytes(data)
-    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
-    if not mount.hands_over_remote:
-        pytest.skip("this kernel takes no backing files")
+    mount, data = _not_kept(source, remote, mount_cachefs, "y.bin", seed=23)
     before = remote.stats()["read_bytes"]
     with open(mount.path / "y.bin", "rb", buffering=0) as f:
         assert send_hints([mount.path / "y.bin"]) == 1
