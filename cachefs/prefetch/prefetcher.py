@@ -130,7 +130,9 @@ class _Active:
     into_cache: bool = False  # this prefetch stored the file (not found cached already)
     reading: int = -1  # the remote file being read in for staging, shared with a reader
     reading_shared: bool = False  # handed to a reader
-    read_in: bool = False  # that read-in is done: the file's pages are cached
+    # That read-in is done, or not needed (RECENT_OPEN_SECONDS): the pages are cached, or
+    # on their way to a reader who counted them.
+    read_in: bool = False
     # A reader came before the read-in opened the file: its own open counts the bytes,
     # which the read-in then shares through the remote file's pages.
     reader_counted: bool = False
@@ -469,7 +471,8 @@ class Prefetcher:
 
     def _read_in(self, relpath: str, attr: Attr) -> int:
         """The remote file, open and read into the kernel's cache of it (the caller's);
-        shared meanwhile with a reader who comes first (``_share_reading``)."""
+        shared meanwhile with a reader who comes first (``_share_reading``).  Not read
+        when a reader opened it lately."""
         fd = self.remote_files.open_ahead(relpath, attr)
         with self._cond:
             active = self._active[relpath]
