@@ -4,10 +4,14 @@ A hint for a file outside the admitted fraction (or arriving when the cache is
 full) is still worth fetching ahead: the reader then waits for memory instead
 of the remote.  What waits here is a descriptor per file, until a reader opens
 the file; that reader takes the descriptor (the kernel reads it, or the fast
-path hands it over) and it leaves the area.  Where the kernel reads the remote
-itself, the descriptor is the remote's own open file, whose pages the kernel
-read in before it was staged; otherwise an anonymous memory file (memfd)
-holding the bytes.  Either way the area holds at most ``capacity_bytes`` of
+path hands it over) and it leaves the area.  The descriptor is an anonymous
+memory file (memfd) holding the bytes: copied into it by the kernel from the
+remote's own file where the kernel reads the remote, so that the reader's
+open asks nothing of the remote (a passthrough open opens its backing file
+again: on NFS an OPEN round trip per reader); else written from the bytes the
+daemon fetched.  The exception is a file a reader opened moments ago: the
+remote's own open file, not read again, whose pages are cached (the prefetcher's
+RECENT_OPEN_SECONDS).  Either way the area holds at most ``capacity_bytes`` of
 files (memory of the daemon's, or pages in the kernel's cache) and
 ``max_files`` descriptors.  A file hinted again before it was read (the end of
 one epoch and the start of the next can name the same file) waits for as many
@@ -35,18 +39,28 @@ _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_S
 
 
 def memory_file(name: str, data: bytes) -> int:
-    """A descriptor of an anonymous memory file holding ``data``, sealed: whoever is handed
-    it (the kernel, a fast-path reader) can read it and never change it."""
-    fd = os.memfd_create(name[-200:] or "staged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    """A descriptor of an anonymous memory file holding ``data``, sealed (:func:`seal`)."""
+    fd = new_memory_file(name)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        seal(fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def new_memory_file(name: str) -> int:
+    """An empty anonymous memory file, to be written, then sealed."""
+    return os.memfd_create(name[-200:] or "staged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
+def seal(fd: int) -> None:
+    """Seal a written memory file: whoever is handed it (the kernel, a fast-path reader) can
+    read it and never change it."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
 
 
 # Descriptors held at most: well inside the daemon's own limit.

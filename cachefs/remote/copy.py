@@ -1,15 +1,14 @@
-"""The kernel's copy of a remote file into a cache file, checked to be one version whole;
-and its read of a remote file into the remote file's own page cache, checked the same way.
+"""The kernel's copy of a remote file into a cache file or a memory file, checked to be one
+version whole.
 
 Used by a fill thread of the daemon (handover.py), by a fill process (fillprocess.py) and by
-a prefetch that stages a remote file (handover.py ``read_in``).
+a prefetch that stages a remote file (handover.py ``copy_in``).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -83,27 +82,6 @@ def send_checked(src: int, out: int, version: Version,
         offset = call(_copy_piece, src, out, version, offset)
         if offset >= version.size:
             return
-
-
-def read_checked(src: int, version: Version, call: Callable[..., int] = _direct) -> None:
-    """Read the whole remote file ``src`` into the kernel's cache of its pages, in the
-    kernel (a copy to /dev/null: no byte enters the process); RemoteChanged unless it is
-    version ``version`` after.  Bounded piece by piece as :func:`send_checked`."""
-    send_checked(src, _discard(), version, call)
-
-
-_discard_lock = threading.Lock()
-_discard_fd = -1
-
-
-def _discard() -> int:
-    """A descriptor of /dev/null, open for the life of the process: never closed, since a
-    read may be copying to it at any moment, and a closed number may name another file."""
-    global _discard_fd
-    with _discard_lock:
-        if _discard_fd < 0:
-            _discard_fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-        return _discard_fd
 
 
 def _copy_piece(src: int, out: int, version: Version, offset: int) -> int:
