@@ -185,12 +185,12 @@ def test_hinted_misses_are_staged_as_copies_the_kernel_made(source, remote, moun
     assert mount.status()["prefetch"]["staging_bytes"] == 0
 
 
-def _not_kept(source, remote, mount_cachefs, rel: str, seed: int):
+def _not_kept(source, remote, mount_cachefs, rel: str, seed: int, **options):
     """A file of 400,000 random bytes at ``rel``, mounted at f = 0 (kept by none) where the
     kernel takes backing files: the mount and the file's bytes."""
     data = random.Random(seed).randbytes(400_000)
     (source / rel).write_bytes(data)
-    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL)
+    mount = mount_cachefs(remote.path, fraction=0.0, **KERNEL, **options)
     if not mount.hands_over_remote:
         pytest.skip("this kernel takes no backing files")
     return mount, data
@@ -307,12 +307,11 @@ def test_a_reader_before_the_prefetchs_fill_opens_is_a_miss_counted_once(
     assert _whole(mount.path / "k.bin") == data
 
 
-def test_remote_bytes_counted_are_those_the_remote_sent_for_staged_files(
+def test_a_file_hinted_after_its_reader_is_staged_from_its_cached_pages(
         source, remote, mount_cachefs):
-    """A hinted file staged from pages a reader just pulled (the next epoch's hint, arriving
-    while this epoch reads the file) fetches nothing, and counts nothing; its next reader,
-    after those pages were dropped, fetches it again, and that counts.  So
-    ``cachefs_remote_read_bytes_total`` follows the bytes the remote sent."""
+    """The next epoch's hint for a file this epoch's reader has just read: the kernel copies
+    it from the pages that reader pulled, so the remote sends nothing more and nothing more
+    is counted; its next reader, after the page cache was dropped, reads the staged copy."""
     from cachefs_client import send_hints
 
     mount, data = _not_kept(source, remote, mount_cachefs, "x.bin", seed=17)
@@ -320,19 +319,19 @@ def test_remote_bytes_counted_are_those_the_remote_sent_for_staged_files(
     assert _whole(mount.path / "x.bin") == data  # a miss: the remote sends the file
     assert send_hints([mount.path / "x.bin"]) == 1
     wait_for(lambda: mount.status()["hints"]["accepted"] == 1, what="x.bin staged")
+    drop_page_cache()
+    assert _whole(mount.path / "x.bin") == data
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
     assert remote.stats()["read_bytes"] - before == len(data)
     assert mount.metric("cachefs_remote_read_bytes_total") == len(data)
-    drop_page_cache()
-    assert _whole(mount.path / "x.bin") == data  # the staged file, its pages gone
-    assert remote.stats()["read_bytes"] - before == 2 * len(data)
-    assert mount.metric("cachefs_remote_read_bytes_total") == 2 * len(data)
-    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
 
 
 def test_a_file_hinted_as_a_reader_opens_it_is_counted_once(source, remote, mount_cachefs):
     """The next epoch's hint for a file this epoch's reader has just opened, before that
-    reader's reads begin: the staged file is not read in again beside the reader, and the
-    bytes the remote sends once are counted once."""
+    reader's reads begin: the file is not copied beside the reader, and the bytes the remote
+    sends once are counted once.  It is staged as the remote's own file, whose next reader,
+    after the page cache was dropped, fetches it again: counted again.  So
+    ``cachefs_remote_read_bytes_total`` follows the bytes the remote sent."""
     from cachefs_client import send_hints
 
     mount, data = _not_kept(source, remote, mount_cachefs, "y.bin", seed=23)
@@ -343,6 +342,41 @@ def test_a_file_hinted_as_a_reader_opens_it_is_counted_once(source, remote, moun
         assert f.read() == data
     assert remote.stats()["read_bytes"] - before == len(data)
     assert mount.metric("cachefs_remote_read_bytes_total") == len(data)
+    drop_page_cache()
+    assert _whole(mount.path / "y.bin") == data  # the staged remote file, its pages gone
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
+    assert remote.stats()["read_bytes"] - before == 2 * len(data)
+    assert mount.metric("cachefs_remote_read_bytes_total") == 2 * len(data)
+
+
+def test_a_file_hinted_for_two_reads_while_queued_is_staged_for_the_second(
+        source, remote, mount_cachefs):
+    """The end of one epoch and the start of the next name the same file while its first
+    hint still waits for a worker: the first reader passes the hint and reads the file
+    itself; the hint for the second read stays, and that reader finds the file staged."""
+    from cachefs_client import send_hints
+
+    mount, data = _not_kept(source, remote, mount_cachefs, "z.bin", seed=29,
+                            prefetch_concurrency=1)
+    (source / "blocker.bin").write_bytes(b"b" * 1000)
+    for rel in ("z.bin", "blocker.bin"):
+        os.stat(mount.path / rel)  # looked up: the prefetch goes straight to the opens
+    remote.set_fault("hang", ops=["open"], glob="blocker.bin")
+    try:
+        assert send_hints([mount.path / "blocker.bin"]) == 1
+        wait_for(lambda: remote.stats()["hung_now"] == 1, what="the one worker held")
+        assert send_hints([mount.path / "z.bin", mount.path / "z.bin"]) == 2
+        wait_for(lambda: mount.status()["prefetch"]["queued"] == 1, what="z.bin queued")
+        assert _whole(mount.path / "z.bin") == data  # passes the first hint
+    finally:
+        remote.clear_faults()
+    wait_for(lambda: mount.status()["hints"]["accepted"] == 2,  # blocker.bin's, z.bin's
+             what="z.bin staged for its second read")
+    assert mount.metric("cachefs_hints_total", result="dropped") == 1  # the hint passed
+    assert _whole(mount.path / "z.bin") == data
+    assert mount.metric("cachefs_file_opens_total", result="miss") == 1
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
+    assert mount.metric("cachefs_remote_read_bytes_total") == len(data) + 1000
 
 
 def _reading_during_a_slow_fill(mount, remote, rel: str, mbps: float):

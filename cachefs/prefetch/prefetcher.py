@@ -35,7 +35,13 @@ from cachefs.attr import Attr, Version
 from cachefs.errors import CachefsError, NotInTree, RemoteChanged
 from cachefs.metrics import Metrics
 from cachefs.prefetch.paths import Caller, normalize, resolve, searchable_directory_of
-from cachefs.prefetch.staging import StagingArea, memory_file, new_memory_file, seal
+from cachefs.prefetch.staging import (
+    MAX_READERS,
+    StagingArea,
+    memory_file,
+    new_memory_file,
+    seal,
+)
 from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
@@ -52,12 +58,13 @@ UNUSED_TTL_SECONDS = 600.0
 # (A path and a time each: some 10 MiB at most; older ones are counted wasted.)
 MAX_UNUSED_TRACKED = 65_536
 STAGING_WAIT_SECONDS = 30.0
-# A file a reader opened this lately has its pages cached, or on their way and counted by
-# that reader: staged for a hint that comes now (the next epoch's, while this one reads
-# the file), it is not copied beside that reader but staged as its remote file.  Copied,
-# its pages were counted twice whenever the copy looked before the reader's reads had
-# begun (0 - 6 % over the remote's own count per epoch with hints, in `bench.run`).  A
-# reader who takes it later counts the pages it lacks by then.  (A path and a time each,
+# A file a reader opened this lately, some of whose pages are not cached, has them on their
+# way and counted by that reader: staged for a hint that comes now (the next epoch's, while
+# this one reads the file), it is not copied beside that reader but staged as its remote
+# file.  Copied, its pages were counted twice whenever the copy looked before the reader's
+# reads had begun (0 - 6 % over the remote's own count per epoch with hints, in
+# `bench.run`).  A reader who takes it later counts the pages it lacks by then.  (A file
+# whose pages are all cached is copied: that fetches nothing.)  (A path and a time each,
 # for the last MAX_RECENT_OPENS opens.)
 RECENT_OPEN_SECONDS = 2.0
 MAX_RECENT_OPENS = 4096
@@ -70,6 +77,9 @@ _INVALID_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ELOOP, errno
 class _Hint:
     caller: Caller | None
     received_at: float
+    # Reads the hints for this file announce: the end of one epoch and the start of the
+    # next can name the same file while the first hint still waits (up to MAX_READERS).
+    reads: int = 1
 
 
 class _HintQueue:
@@ -84,12 +94,12 @@ class _HintQueue:
     def __len__(self) -> int:
         return len(self._hints)
 
-    def __contains__(self, relpath: str) -> bool:
-        return relpath in self._hints
-
     def add(self, relpath: str, hint: _Hint) -> None:
         self._hints[relpath] = hint
         self._by_directory.setdefault(relpath.rpartition("/")[0], set()).add(relpath)
+
+    def get(self, relpath: str) -> _Hint | None:
+        return self._hints.get(relpath)
 
     def pop(self, relpath: str) -> _Hint | None:
         hint = self._hints.pop(relpath, None)
@@ -218,8 +228,11 @@ class Prefetcher:
                 # counted as that one ends (accepted, cached, invalid or dropped alike).
                 active.extra_hints += 1
                 return
-            if relpath in self._queue or len(self._queue) >= MAX_QUEUED_HINTS \
-                    or self._closed:
+            queued = self._queue.get(relpath)
+            if queued is not None and queued.reads < MAX_READERS and not self._closed:
+                queued.reads += 1  # counted with the others as it ends
+                return
+            if queued is not None or len(self._queue) >= MAX_QUEUED_HINTS or self._closed:
                 result = "dropped"
             else:
                 self._queue.add(relpath, _Hint(caller, time.monotonic()))
@@ -233,7 +246,12 @@ class Prefetcher:
         """Called as a reader opens a file: settle what the prefetcher did for it."""
         with self._cond:
             # A hint still queued: the reader got there first, fetching it now is useless.
-            passed = self._queue.pop(relpath) is not None
+            # Another read hinted stays queued, behind the hints that came meanwhile.
+            queued = self._queue.pop(relpath)
+            passed = queued is not None
+            if passed and queued.reads > 1:
+                queued.reads -= 1
+                self._queue.add(relpath, queued)
             active = self._active.get(relpath)
             if active is not None:
                 active.opened = True
@@ -337,12 +355,13 @@ class Prefetcher:
                     return
                 relpath, hint = self._queue.pop_oldest()
                 stale = time.monotonic() - hint.received_at > HINT_TTL_SECONDS
-                active = None if stale else _Active(threading.Event())
+                active = None if stale else _Active(threading.Event(),
+                                                    extra_hints=hint.reads - 1)
                 if active is not None:
                     self._active[relpath] = active
                 self._maintain_locked()
             if active is None:
-                self._hints["dropped"].inc()
+                self._hints["dropped"].inc(hint.reads)
                 continue
             result = "dropped"
             try:
@@ -411,8 +430,8 @@ class Prefetcher:
             queued = self._queue.in_directory(directory)
         settled = [relpath for relpath, hint in queued if self._known_cached(relpath, hint.caller)]
         with self._cond:
-            taken = sum(self._queue.pop(relpath) is not None for relpath in settled)
-        self._hints["cached"].inc(taken)
+            taken = [self._queue.pop(relpath) for relpath in settled]
+        self._hints["cached"].inc(sum(hint.reads for hint in taken if hint is not None))
 
     def _known_cached(self, relpath: str, caller: Caller | None) -> bool:
         """Whether memory alone shows the file whole in the cache and readable by the
@@ -473,8 +492,8 @@ class Prefetcher:
     def _read_in(self, relpath: str, attr: Attr) -> tuple[int, str]:
         """The file to stage, and its kind: a memory file the kernel copied the remote's
         file into ("memory"), the remote file shared meanwhile with a reader who comes
-        first (``_share_reading``); or, when a reader opened it lately, the remote file
-        itself, not read ("remote").
+        first (``_share_reading``); or, when a reader opened it lately and its pages are on
+        their way to that reader, the remote file itself, not read ("remote").
 
         A memory file, not the remote file read into its page cache: a passthrough open
         opens its backing file again, which on the remote is a round trip (an NFS OPEN) on
@@ -486,9 +505,12 @@ class Prefetcher:
         with self._cond:
             active = self._active[relpath]
             opened = self._opened.get(relpath)
-            if opened is not None and time.monotonic() - opened < RECENT_OPEN_SECONDS:
+        if opened is not None and time.monotonic() - opened < RECENT_OPEN_SECONDS \
+                and self.remote_files.uncached_bytes(fd, attr):
+            with self._cond:
                 active.read_in = True  # staged as it is (see RECENT_OPEN_SECONDS)
-                return fd, "remote"
+            return fd, "remote"
+        with self._cond:
             active.reading = fd
         copy = -1
         try:

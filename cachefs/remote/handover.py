@@ -194,6 +194,11 @@ class RemoteFiles:
         send_checked(fd, into, attr.version, self._remote.call)
         return fetched
 
+    @staticmethod
+    def uncached_bytes(fd: int, attr: Attr) -> int:
+        """The bytes of the remote file ``fd`` (version ``attr``) not in the page cache."""
+        return uncached_bytes(fd, attr.size)
+
     def count_read(self, nbytes: int) -> None:
         """Count bytes read from the remote for the cache or a reader."""
         self._remote.count_read(nbytes)
