@@ -6,17 +6,17 @@ of the remote.  What waits here is a descriptor per file, until a reader opens
 the file; that reader takes the descriptor (the kernel reads it, or the fast
 path hands it over) and it leaves the area.  The descriptor is an anonymous
 memory file (memfd) holding the bytes: copied into it by the kernel from the
-remote's own file where the kernel reads the remote, so that the reader's
-open asks nothing of the remote (a passthrough open opens its backing file
-again: on NFS an OPEN round trip per reader); else written from the bytes the
-daemon fetched.  The exception is a file a reader opened moments ago: the
-remote's own open file, not read again, whose pages are cached (the prefetcher's
-RECENT_OPEN_SECONDS).  Either way the area holds at most ``capacity_bytes`` of
-files (memory of the daemon's, or pages in the kernel's cache) and
-``max_files`` descriptors.  A file hinted again before it was read (the end of
-one epoch and the start of the next can name the same file) waits for as many
-readers as hints.  Files nobody takes within ``ttl_seconds`` are dropped and
-counted as wasted.
+remote's own file where the kernel reads the remote, so that the reader's open
+asks nothing of the remote (a passthrough open opens its backing file again:
+on NFS an OPEN round trip per reader); else written from the bytes the daemon
+fetched.  The exception is a file a reader opened moments ago whose pages are
+still on their way to it: the remote's own open file, not copied beside that
+reader (the prefetcher's RECENT_OPEN_SECONDS).  Either way the area holds at
+most ``capacity_bytes`` of files (memory of the daemon's, or pages in the
+kernel's cache) and ``max_files`` descriptors.  A file hinted again before it
+was read (the end of one epoch and the start of the next can name the same
+file) waits for as many readers as hints.  Files nobody takes within
+``ttl_seconds`` are dropped and counted as wasted.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ class RemoteFiles:
 
     def open_ahead(self, relpath: str, attr: Attr) -> int:
         """A descriptor of the remote's file for a reader to come (the caller's to close),
-        to be read in (:meth:`read_in`) before it is staged."""
+        to be copied into memory (:meth:`copy_in`) before it is staged."""
         return self._remote.open_file(relpath, attr.version)
 
     def copy_in(self, fd: int, attr: Attr, into: int) -> int:
@@ -190,7 +190,7 @@ class RemoteFiles:
 
         The bytes are the caller's to count (:meth:`count_read`): a reader may have counted
         them already."""
-        fetched = uncached_bytes(fd, attr.size)
+        fetched = self.uncached_bytes(fd, attr)
         send_checked(fd, into, attr.version, self._remote.call)
         return fetched
 
@@ -204,9 +204,9 @@ class RemoteFiles:
         self._remote.count_read(nbytes)
 
     def count_staged_read(self, fd: int, attr: Attr) -> None:
-        """Count what a reader handed a remote file read in earlier (``fd``) will fetch:
-        the pages of it dropped from the page cache since."""
-        self._remote.count_read(uncached_bytes(fd, attr.size))
+        """Count what a reader handed a staged remote file (``fd``) will fetch: the pages
+        of it not in the page cache by now."""
+        self._remote.count_read(self.uncached_bytes(fd, attr))
 
     # -- fills -------------------------------------------------------------------------------
 
