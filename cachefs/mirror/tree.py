@@ -244,9 +244,8 @@ class CachedTree:
         found = self._cache_file(key, record, result, source)
         if found is not None:
             return found
-        record = self.store.lookup(key)
-        if record is not None and record.version == attr.version \
-                and self.store.is_complete(record):
+        record = self.store.whole(key, attr.version)
+        if record is not None:
             # Whole but not verified yet (a large file, in the background): chunk by chunk,
             # each chunk verified as it is read.
             handle = self._handle(relpath, key, attr, record)

@@ -45,6 +45,7 @@ from cachefs.prefetch.staging import (
 from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
+from cachefs.remote.pagecache import uncached_bytes
 from cachefs.remote.remote import Remote
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
 
@@ -445,9 +446,7 @@ class Prefetcher:
             return False   # decide, and report what needs reporting
 
     def _cached(self, key: bytes, attr: Attr) -> bool:
-        record = self.store.lookup(key)
-        return record is not None and record.version == attr.version \
-            and self.store.is_complete(record)
+        return self.store.whole(key, attr.version) is not None
 
     def _fetch_into_cache(self, relpath: str, key: bytes, attr: Attr) -> None:
         if self._hands_over(relpath):
@@ -506,7 +505,7 @@ class Prefetcher:
             active = self._active[relpath]
             opened = self._opened.get(relpath)
         if opened is not None and time.monotonic() - opened < RECENT_OPEN_SECONDS \
-                and self.remote_files.uncached_bytes(fd, attr):
+                and uncached_bytes(fd, attr.size):
             with self._cond:
                 active.read_in = True  # staged as it is (see RECENT_OPEN_SECONDS)
             return fd, "remote"

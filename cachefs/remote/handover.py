@@ -156,7 +156,7 @@ class RemoteFiles:
         # A fill is stored before it leaves ``_fills``: one not found there has not begun,
         # or has stored the file already (a reader that came as a prefetch's fill ended:
         # a second copy, and its bytes counted twice, 1 - 2 % of a first epoch's files).
-        if keep and fill is None and self._stored(key, attr):
+        if keep and fill is None and self._store.whole(key, attr.version):
             return None
         if not keep and for_kernel:
             fd = self._remote.locate_file(relpath, attr.version)
@@ -190,14 +190,9 @@ class RemoteFiles:
 
         The bytes are the caller's to count (:meth:`count_read`): a reader may have counted
         them already."""
-        fetched = self.uncached_bytes(fd, attr)
+        fetched = uncached_bytes(fd, attr.size)
         send_checked(fd, into, attr.version, self._remote.call)
         return fetched
-
-    @staticmethod
-    def uncached_bytes(fd: int, attr: Attr) -> int:
-        """The bytes of the remote file ``fd`` (version ``attr``) not in the page cache."""
-        return uncached_bytes(fd, attr.size)
 
     def count_read(self, nbytes: int) -> None:
         """Count bytes read from the remote for the cache or a reader."""
@@ -206,7 +201,7 @@ class RemoteFiles:
     def count_staged_read(self, fd: int, attr: Attr) -> None:
         """Count what a reader handed a staged remote file (``fd``) will fetch: the pages
         of it not in the page cache by now."""
-        self._remote.count_read(self.uncached_bytes(fd, attr))
+        self._remote.count_read(uncached_bytes(fd, attr.size))
 
     # -- fills -------------------------------------------------------------------------------
 
@@ -226,7 +221,7 @@ class RemoteFiles:
         try:
             # A reader's fill that ended since the caller looked has stored it (see
             # open_for_reader): not copied, nor counted, twice.
-            if self._stored(key, attr):
+            if self._store.whole(key, attr.version):
                 return
             fd = self._remote.open_file(relpath, attr.version)
             with self._lock:
@@ -234,11 +229,6 @@ class RemoteFiles:
             self._fill(fill)
         finally:
             self._finish(fill)
-
-    def _stored(self, key: bytes, attr: Attr) -> bool:
-        record = self._store.lookup(key)
-        return record is not None and record.version == attr.version \
-            and self._store.is_complete(record)
 
     def _wait(self, fill: _Fill) -> None:
         ident = (fill.key, fill.attr.version)
@@ -250,19 +240,15 @@ class RemoteFiles:
         """A fill of the file a reader opened (``reader_fd``), unless one is under way;
         whether the reader counts the bytes (see :meth:`_claim_count_locked`)."""
         ident = (key, attr.version)
-        with self._lock:
-            fill = self._fills.get(ident)
-            if fill is not None:
-                return self._claim_count_locked(fill)
-        # None under way: none began, or a prefetch's ended while the reader opened the file
-        # (a fill is stored before it leaves ``_fills``), having counted the bytes the reader
-        # now finds in the remote file's pages.
-        if self._stored(key, attr):
+        # Stored already: a prefetch's fill ended while the reader opened the file (a fill is
+        # stored before it leaves ``_fills``), having counted the bytes the reader now finds
+        # in the remote file's pages.
+        if self._store.whole(key, attr.version):
             return False
         thread = None
         with self._lock:
             fill = self._fills.get(ident)
-            if fill is not None:  # begun meanwhile
+            if fill is not None:  # under way
                 return self._claim_count_locked(fill)
             if self._closed:
                 return True

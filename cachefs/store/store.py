@@ -430,6 +430,13 @@ class CacheStore:
     def is_complete(record: FileRecord) -> bool:
         return record.stored_chunks >= chunk_count(record.attr.size)
 
+    def whole(self, key: bytes, version: Version) -> FileRecord | None:
+        """The record of ``key`` when the cache holds this version of it whole."""
+        record = self.index.get_file(key)
+        if record is not None and record.version == version and self.is_complete(record):
+            return record
+        return None
+
     def chunk_record(self, key: bytes, record: FileRecord, number: int) -> ChunkRecord | None:
         if chunk_count(record.attr.size) == 1:
             if not record.stored_chunks:
