@@ -247,10 +247,11 @@ class Prefetcher:
         """Called as a reader opens a file: settle what the prefetcher did for it."""
         with self._cond:
             # A hint still queued: the reader got there first, fetching it now is useless.
-            # Another read hinted stays queued, behind the hints that came meanwhile.
+            # Another read hinted stays queued, behind the hints that came meanwhile, for a
+            # file not kept (one kept is filled as this reader opens it: its next read hits).
             queued = self._queue.pop(relpath)
             passed = queued is not None
-            if passed and queued.reads > 1:
+            if passed and queued.reads > 1 and not self._keeps(relpath):
                 queued.reads -= 1
                 self._queue.add(relpath, queued)
             active = self._active.get(relpath)
@@ -399,7 +400,7 @@ class Prefetcher:
         key = relpath_key(relpath)
         if self._cached(key, attr):
             return "cached"
-        admit = self.store.admitting and self.store.admission.eligible(relpath)
+        admit = self._keeps(relpath)
         if not admit and self.staging.add_reader(relpath, attr.version):
             return "accepted"  # staged for an earlier hint, not read yet
         if not admit and not self.staging.fits(attr.size):
@@ -444,6 +445,10 @@ class Prefetcher:
             return self._cached(relpath_key(relpath), attr)
         except Exception:  # not in the tree, not in memory, or a broken index: the workers
             return False   # decide, and report what needs reporting
+
+    def _keeps(self, relpath: str) -> bool:
+        """Whether the cache takes this file in now (else it is staged)."""
+        return self.store.admitting and self.store.admission.eligible(relpath)
 
     def _cached(self, key: bytes, attr: Attr) -> bool:
         return self.store.whole(key, attr.version) is not None
