@@ -145,6 +145,9 @@ class Metrics:
         self.staging_bytes = Gauge(
             "cachefs_staging_bytes", "Prefetched bytes held in memory for files the cache does "
             "not keep", registry=r)
+        self.staging_bytes_max = Gauge(
+            "cachefs_staging_bytes_max", "--staging-size, or the default sized from the memory "
+            "the daemon may use", registry=r)
         # The cluster tier (cachefs/peer); zero on a node alone.
         self.peer_fetches = Counter(
             "cachefs_peer_fetches", "Chunks asked of their owner node, by result: ok, refused "

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.sizes import format_bytes
+
 pytestmark = pytest.mark.timeout(300)
 
 FILES_PER_DIRECTORY = 500
@@ -115,8 +117,30 @@ def test_the_held_files_bound_is_a_share_of_the_memory_the_daemon_may_use(
     assert mount.status()["memory"]["held_files_max"] == 1000
 
 
+def test_the_staging_bound_is_a_share_of_the_memory_the_daemon_may_use(
+        source, remote, mount_cachefs):
+    from cachefs.service.memory import default_staging_bytes, memory_limit_bytes
+
+    (source / "f.bin").write_bytes(b"x")
+    mount = mount_cachefs(remote.path)
+    staging_max = mount.status()["memory"]["staging_bytes_max"]
+    assert staging_max == default_staging_bytes() == \
+        max(32 << 20, min(512 << 20, memory_limit_bytes() // 16))
+    assert mount.metric("cachefs_staging_bytes_max") == staging_max
+    shown = subprocess.run([sys.executable, "-m", "cachefs", "status", str(mount.path)],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert f"(at most {format_bytes(staging_max)})" in shown
+    mount.stop()
+    mount = mount_cachefs(remote.path, name="given", staging_size="1MiB")
+    assert mount.status()["memory"]["staging_bytes_max"] == 1 << 20
+
+
 def test_the_memory_limit_is_the_lowest_of_the_cgroups_above(tmp_path):
-    from cachefs.service.memory import _cgroup_limit_bytes, default_held_files
+    from cachefs.service.memory import (
+        _cgroup_limit_bytes,
+        default_held_files,
+        default_staging_bytes,
+    )
 
     membership = tmp_path / "cgroup"
     v2 = tmp_path / "v2"
@@ -138,6 +162,9 @@ def test_the_memory_limit_is_the_lowest_of_the_cgroups_above(tmp_path):
     (container / "memory.max").write_text(f"{4 << 30}\n")
     assert _cgroup_limit_bytes(container, membership) == 4 << 30
     assert default_held_files(4 << 30) == 65536  # the floor
+    assert default_staging_bytes(4 << 30) == 256 << 20
+    assert default_staging_bytes(64 << 30) == 512 << 20  # the ceiling
+    assert default_staging_bytes(256 << 20) == 32 << 20  # the floor
 
     v1 = tmp_path / "v1"
     (v1 / "memory" / "unit").mkdir(parents=True)

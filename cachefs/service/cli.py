@@ -64,7 +64,8 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         "between opens, about 2 KiB of memory each (default: a 64th of the "
                         "machine's or the cgroup's memory, 65536 at least)")
     parser.add_argument("--staging-size", help="memory for prefetched files the cache does not "
-                        "keep (default 512MiB)")
+                        "keep (default: a 16th of the machine's or the cgroup's memory, "
+                        "32MiB to 512MiB)")
     parser.add_argument("--allow-other", action="store_true", default=None,
                         help="let other users read the mount (permissions are enforced)")
     parser.add_argument("--passthrough", help="which files the kernel reads itself where it "

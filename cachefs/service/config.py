@@ -25,6 +25,7 @@ DEFAULT_METRICS_PORT = 9477
 DEFAULT_REVALIDATE_SECONDS = 60.0
 DEFAULT_REMOTE_TIMEOUT_SECONDS = 30.0
 DEFAULT_PREFETCH_CONCURRENCY = 32
+# Staging's default where memory allows (service/memory.py sizes it from the memory limit).
 DEFAULT_STAGING_BYTES = 512 * 2**20
 # A peer on the cluster's network answers in a millisecond; one that takes seconds is
 # better skipped for the remote.
@@ -54,7 +55,9 @@ class Settings:
     # 65,536 with passthrough, what the kernel's memory allows; a share of our descriptors
     # without it).
     held_files: int | None = None
-    staging_bytes: int = DEFAULT_STAGING_BYTES
+    # Memory for prefetched files the cache does not keep (None: sized from the memory the
+    # daemon may use, service/memory.py).
+    staging_bytes: int | None = None
     allow_other: bool = False
     # Which files the kernel reads itself (FUSE passthrough) where it can: "auto", local
     # files and, for a miss, the remote's own file; "local", local files only (every byte

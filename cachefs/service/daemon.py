@@ -60,7 +60,7 @@ from cachefs.remote.origin import RemoteOrigin
 from cachefs.remote.remote import Remote
 from cachefs.service import heap, sdnotify
 from cachefs.service.config import Settings
-from cachefs.service.memory import default_held_files
+from cachefs.service.memory import default_held_files, default_staging_bytes
 from cachefs.service.supervisor import Succession
 from cachefs.store.admission import ClusterAdmission, FractionAdmission
 from cachefs.store.store import CacheStore
@@ -191,7 +191,9 @@ class Daemon:
                     raise UsageError(f"cannot serve peers on {s.peer_listen}: {exc.strerror}; "
                                      "give --peer-listen a free port on this node") from None
             staging = self.staging = StagingArea(
-                s.staging_bytes, on_wasted=m.prefetch_files.labels("wasted").inc)
+                default_staging_bytes() if s.staging_bytes is None else s.staging_bytes,
+                on_wasted=m.prefetch_files.labels("wasted").inc)
+            m.bind_gauge(m.staging_bytes_max, lambda: staging.capacity_bytes)
             # Counted once per file filled: the labelled counters looked up once, here.
             fills = {result: m.fills.labels(result) for result in FILL_RESULTS}
             remote_files = self.remote_files = RemoteFiles(
@@ -442,6 +444,8 @@ class Daemon:
             "attr_listing_probe_every": LISTING_PROBE_EVERY,
             "held_files": self.fs.held_files if self.fs else 0,
             "held_files_max": self.fs.max_held_files if self.fs else 0,
+            "staging_bytes": self.staging.used_bytes if self.staging else 0,
+            "staging_bytes_max": self.staging.capacity_bytes if self.staging else 0,
         }
 
     def _cluster_status(self) -> dict | None:

@@ -126,6 +126,11 @@ def _value_text(key: str, settings: Settings) -> str:
         from cachefs.service.daemon import socket_path
 
         return str(socket_path(settings).parent)
+    if key == "staging_size" and value is None:
+        from cachefs.service.memory import default_staging_bytes
+
+        value = default_staging_bytes()
+        return f"{format_bytes(value)} ({value:,} bytes; sized from the memory it may use)"
     if value is None:
         return {"revalidate": "never", "metrics_addr": "off"}.get(key, "-")
     if key in ("cache_size", "staging_size"):

@@ -9,6 +9,13 @@ the bound is a share of the memory the daemon may use: the machine's, or less wh
 cgroup (a systemd unit's MemoryMax, a pod's limit) says less, since the kernel charges the
 cgroup for those dentries and inodes too.  A GPU node of 1 TiB holds every file of a dataset
 of millions; a container limited to 2 GiB keeps the fixed floor it had before.
+
+The staging area (prefetch/staging.py) is sized the same way, the other way round: its files
+are memory files of the daemon's, which the kernel can neither write back nor drop, charged
+to its cgroup until a reader takes them.  Its default stays 512 MiB (the hints of a loader's
+window of not-kept files on a node) wherever that is at most a 16th of the memory the daemon
+may use, and shrinks with a smaller limit: a unit with MemoryMax=2G stages 128 MiB, not
+enough to be killed for prefetching ahead of its readers.
 """
 
 from __future__ import annotations
@@ -17,13 +24,16 @@ import os
 from pathlib import Path
 
 from cachefs.mirror.mirrorfs import DEFAULT_MAX_HELD
-from cachefs.service.config import MAX_HELD_FILES
+from cachefs.service.config import DEFAULT_STAGING_BYTES, MAX_HELD_FILES
 
 # What one held file costs, the kernel's part and ours together (measured, see the README's
 # Scale section), and the share of the memory they may take.
 HELD_FILE_BYTES = 2048
 HELD_SHARE = 1 / 64
 MIN_HELD_FILES = DEFAULT_MAX_HELD
+STAGING_SHARE = 1 / 16
+# A few batches of files of some hundred KiB: below it staging would turn most hints away.
+MIN_STAGING_BYTES = 32 * 2**20
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -34,6 +44,13 @@ def default_held_files(limit_bytes: int | None = None) -> int:
     limit = memory_limit_bytes() if limit_bytes is None else limit_bytes
     held = int(limit * HELD_SHARE) // HELD_FILE_BYTES
     return max(MIN_HELD_FILES, min(MAX_HELD_FILES, held))
+
+
+def default_staging_bytes(limit_bytes: int | None = None) -> int:
+    """The ``--staging-size`` when none is given: a 16th of ``limit_bytes`` (the memory this
+    process may use, by default), at most DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES at least."""
+    limit = memory_limit_bytes() if limit_bytes is None else limit_bytes
+    return max(MIN_STAGING_BYTES, min(DEFAULT_STAGING_BYTES, int(limit * STAGING_SHARE)))
 
 
 def memory_limit_bytes() -> int:
