@@ -196,3 +196,27 @@ def test_the_scale_run_prints_every_row_and_leaves_no_mount(tmp_path: Path) -> N
     # The trees are kept for the next run, found by their name.
     assert (work / "scale" / "tree-10000x4096").is_dir()
     assert len((work / "scale" / "tree-10000x4096.paths").read_text().split()) == 10000
+
+
+def test_a_speed_up_above_the_remotes_ceiling_is_said_to_be() -> None:
+    from bench.targets import _speedup_verdicts
+    from bench.variants import CACHEFS, DIRECT
+
+    def variant(name: str, kind: str, rate: float) -> dict:
+        return {"variant": name, "kind": kind, "fraction": 0.2 if kind == CACHEFS else None,
+                "error": None, "epochs": [{"epoch": 4, "paced": False,
+                                           "samples_per_second": rate}]}
+
+    # 1,000 files of 100 KB on a 200 MB/s link: at f = 0.2 each sample brings 80 KB, so the
+    # remote allows 2,500 samples/s.
+    results = {"settings": {"profile": "efs"},
+               "dataset": {"bytes": 100_000_000, "examples": 1000},
+               "variants": [variant("cachefs-f0.2-hints", CACHEFS, 2000),
+                            variant("direct", DIRECT, 1000)]}
+    direct = _speedup_verdicts(results)[0]
+    assert direct["met"] is False
+    assert "above the remote's ceiling of 2500 samples/s (2.50x direct), of which this is " \
+        "80%" in direct["measured"]
+    results["variants"][1]["epochs"][0]["samples_per_second"] = 500  # 3x is 1,500: below it
+    direct = _speedup_verdicts(results)[0]
+    assert direct["met"] is True and "ceiling" not in direct["measured"]
