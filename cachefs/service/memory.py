@@ -10,12 +10,12 @@ cgroup (a systemd unit's MemoryMax, a pod's limit) says less, since the kernel c
 cgroup for those dentries and inodes too.  A GPU node of 1 TiB holds every file of a dataset
 of millions; a container limited to 2 GiB keeps the fixed floor it had before.
 
-The staging area (prefetch/staging.py) is sized the same way, the other way round: its files
-are memory files of the daemon's, which the kernel can neither write back nor drop, charged
-to its cgroup until a reader takes them.  Its default stays 512 MiB (the hints of a loader's
-window of not-kept files on a node) wherever that is at most a 16th of the memory the daemon
-may use, and shrinks with a smaller limit: a unit with MemoryMax=2G stages 128 MiB, not
-enough to be killed for prefetching ahead of its readers.
+The staging area (prefetch/staging.py) is sized from the same limit, from above rather than
+from below: its files are memory files of the daemon's, which the kernel can neither write
+back nor drop, charged to its cgroup until a reader takes them.  Its default stays 512 MiB
+wherever that is at most a 16th of the memory the daemon may use, and shrinks with a smaller
+limit: a unit with MemoryMax=2G stages at most 128 MiB, which its readers' hints may fill
+without the unit being killed for it.
 """
 
 from __future__ import annotations
