@@ -98,7 +98,7 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                                f"(at most {memory['attr_cache_capacity_entries']:,}); "
                                f"{memory['held_files']:,} files held registered "
                                f"(at most {memory['held_files_max']:,}); "
-                               f"{format_bytes(memory.get('staging_bytes', 0))} of prefetched "
+                               f"{format_bytes(st['prefetch']['staging_bytes'])} of prefetched "
                                f"files staged (at most "
                                f"{format_bytes(memory.get('staging_bytes_max', 0))})"))
         used = memory.get("attr_listing_used_share")

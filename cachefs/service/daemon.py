@@ -444,7 +444,6 @@ class Daemon:
             "attr_listing_probe_every": LISTING_PROBE_EVERY,
             "held_files": self.fs.held_files if self.fs else 0,
             "held_files_max": self.fs.max_held_files if self.fs else 0,
-            "staging_bytes": self.staging.used_bytes if self.staging else 0,
             "staging_bytes_max": self.staging.capacity_bytes if self.staging else 0,
         }
 
