@@ -637,9 +637,12 @@ def test_a_fill_slower_than_the_timeout_is_left_to_finish_while_it_copies(
 @pytest.mark.fast
 def test_what_the_daemon_does_on_the_remote_stays_bounded_and_local_bounds_every_read(
         source, remote, mount_cachefs):
-    """With the kernel reading the remote, the daemon's own calls (a lookup, the open of a
-    file to copy) still fail with EIO after --remote-timeout on a hung remote; the reader's
-    own reads of a handed-over file are the NFS mount's, bounded by its options (README).
+    """With the kernel reading the remote, the daemon's own calls stay bounded by
+    --remote-timeout on a hung remote: a lookup fails with EIO, the open of a file to copy is
+    given up on (the remote marked as not answering).  The reader's own open and reads of a
+    handed-over file are the NFS mount's, bounded by its options (README): a kept miss waits
+    for the kernel's open of the remote file, as a reader of the NFS mount would, not for the
+    daemon's.
     ``--passthrough local`` bounds every read by --remote-timeout."""
     for name in ("a.bin", "b.bin", "c.bin"):
         (source / name).write_bytes(os.urandom(100_000))
@@ -665,11 +668,20 @@ def test_what_the_daemon_does_on_the_remote_stays_bounded_and_local_bounds_every
     for mount in (kernel, strict):
         wait_for(lambda m=mount: m.metric("cachefs_remote_available") == 1, timeout=15,
                  what="the remote back")
-    remote.set_fault("hang", ops=["open"], glob="a.bin")  # the open of a file to copy hangs
+    remote.set_fault("hang", ops=["open"], glob="a.bin")  # every open of it hangs
+    reading = ThreadPoolExecutor(1)
     try:
-        fails_in_time(kernel.path / "a.bin")
+        read = reading.submit(_whole, kernel.path / "a.bin")
+        # The fill's own open is given up on after the timeout (the remote is marked as not
+        # answering); the reader still waits for the kernel's, as any reader of the hung
+        # NFS mount does.
+        wait_for(lambda: kernel.metric("cachefs_remote_available") == 0, timeout=15,
+                 what="the fill's open given up on")
+        assert not read.done()
     finally:
         remote.clear_faults()
+    assert read.result(timeout=20) == (source / "a.bin").read_bytes()
+    reading.shutdown()
     remote.set_fault("hang", ops=["read"], glob="b.bin")  # the daemon's read hangs
     try:
         fails_in_time(strict.path / "b.bin")

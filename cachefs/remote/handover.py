@@ -6,17 +6,18 @@ With FUSE passthrough the kernel takes any file as the backing of an open, the r
 here and checked to be the version the kernel looked up (bounded by --remote-timeout, like
 every call the daemon makes on the remote), and the reader's reads go from the kernel to the
 NFS client.  A file the cache keeps is copied into the cache beside the reader, by the
-kernel too: ``sendfile`` from the same open remote file, so that a page the reader pulled and
-a page the copy pulled are fetched from the server once and shared through the remote file's
-page cache.  The store then computes the checksums of the copy, checks the version again,
-renames it into place and indexes it (store.py ``fill``).
+kernel too: ``sendfile`` from the remote file, opened by the fill, so that a page the reader
+pulled and a page the copy pulled are fetched from the server once and shared through the
+remote file's page cache (one inode, whoever opened it).  The store then computes the
+checksums of the copy, checks the version again, renames it into place and indexes it
+(store.py ``fill``).
 
 Fills run on threads of their own, never on a reader's: a reader never waits for a copy.
 With ``--fill-processes`` a reader's fill is copied and hashed by a process of its own
 instead (fillprocess.py: the daemon's interpreter lock is then not shared with the copies),
 and only renamed into place and indexed here; a prefetch's or a warm's stays on its thread.
 There is one fill per file version at a time, and a reader arriving while a file is being
-filled is handed the fill's own open file (one open on the remote, one fetch of its pages).
+filled is handed the fill's own open file once it is open (one fetch of its pages).
 A fill that cannot be queued (too many waiting) is skipped: the file is filled at a later
 open.
 
@@ -141,9 +142,14 @@ class RemoteFiles:
         in and counted them) or the reader shares a fill's open file (the fill counts them).
 
         The kernel opens the file anew for each reader it is handed to (passthrough opens
-        a backing file of its own from the one registered).  So for it a file not kept is
-        named by an O_PATH descriptor, a path walk and no NFS OPEN of ours: one OPEN per
-        miss, the kernel's.  A kept one is opened for reading, for the copy.
+        a backing file of its own from the one registered).  So for it a file is named by an
+        O_PATH descriptor, a path walk and no NFS OPEN of ours: one OPEN on the reader's
+        time, the kernel's.  A kept one is then opened for reading by its fill, on the
+        fill's thread: an OPEN of ours here, in series with the kernel's, made a kept miss
+        wait for two (on the EFS-like remote a plain first epoch at f = 1 ran at 0.65x the
+        remote read directly; with the fill's open off the reader's time, 0.89 - 0.94x).
+        A fill process (--fill-processes) is sent an open file: for it the file is opened
+        here, as before.
 
         None when a fill stored this version since the caller looked in the cache: the
         caller serves the cache's copy."""
@@ -158,9 +164,10 @@ class RemoteFiles:
         # a second copy, and its bytes counted twice, 1 - 2 % of a first epoch's files).
         if keep and fill is None and self._store.whole(key, attr.version):
             return None
-        if not keep and for_kernel:
+        if for_kernel and not (keep and self._fills_in_processes(attr.size)):
             fd = self._remote.locate_file(relpath, attr.version)
-            self._remote.count_read(0 if counted else attr.size)
+            if (not keep or self._queue_fill(relpath, key, attr, -1)) and not counted:
+                self._remote.count_read(attr.size)
             return Handed(fd, readable=False)
         fd = self._remote.open_file(relpath, attr.version)
         # With a fill (this reader's, or a prefetch's not yet open), the reader's reads and
@@ -237,8 +244,9 @@ class RemoteFiles:
                                 self._remote.timeout_seconds + 1.0)
 
     def _queue_fill(self, relpath: str, key: bytes, attr: Attr, reader_fd: int) -> bool:
-        """A fill of the file a reader opened (``reader_fd``), unless one is under way;
-        whether the reader counts the bytes (see :meth:`_claim_count_locked`)."""
+        """A fill of the file a reader opened (``reader_fd``; -1: the reader was handed it
+        by path, and the fill opens it), unless one is under way; whether the reader counts
+        the bytes (see :meth:`_claim_count_locked`)."""
         ident = (key, attr.version)
         # Stored already: a prefetch's fill ended while the reader opened the file (a fill is
         # stored before it leaves ``_fills``), having counted the bytes the reader now finds
@@ -252,12 +260,13 @@ class RemoteFiles:
                 return self._claim_count_locked(fill)
             if self._closed:
                 return True
-            elsewhere = self._processes is not None and self._processes.takes(attr.size)
+            elsewhere = reader_fd >= 0 and self._fills_in_processes(attr.size)
             backlog = len(self._fills) if elsewhere else self._queued
             skipped = backlog >= MAX_QUEUED_FILLS
             if not skipped:
-                fill = self._fills[ident] = _Fill(relpath, key, attr, os.dup(reader_fd),
-                                                  counted=True)
+                fill = self._fills[ident] = _Fill(
+                    relpath, key, attr, os.dup(reader_fd) if reader_fd >= 0 else -1,
+                    counted=True)
                 if not elsewhere:
                     self._queued += 1
                     thread = self._thread_wanted_locked()
@@ -271,6 +280,9 @@ class RemoteFiles:
         if thread is not None:
             thread.start()
         return True
+
+    def _fills_in_processes(self, size: int) -> bool:
+        return self._processes is not None and self._processes.takes(size)
 
     @staticmethod
     def _claim_count_locked(fill: _Fill) -> bool:
@@ -335,6 +347,10 @@ class RemoteFiles:
 
     def _fill(self, fill: _Fill) -> None:
         try:
+            if fill.fd < 0:  # its reader was handed the file by path
+                fd = self._remote.open_file(fill.relpath, fill.attr.version)
+                with self._lock:
+                    fill.fd = fd
             stored = self._store.fill(fill.key, fill.attr, lambda out: self._copy(fill, out))
         except RemoteChanged:
             self._on_fill("changed")
