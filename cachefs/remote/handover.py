@@ -342,11 +342,8 @@ class RemoteFiles:
             try:
                 fd = self._remote.open_file(fill.relpath, fill.attr.version)
             except Exception as exc:
-                self._on_fill("changed" if isinstance(exc, RemoteChanged) else "failed")
-                if isinstance(exc, (OSError, CachefsError)):
-                    log.debug("fill of %s failed: %s", fill.relpath, exc)
-                else:
-                    log.exception("fill of %s failed unexpectedly", fill.relpath)
+                self._on_fill(_failure(exc))
+                _log_failure(fill, exc)
                 self._finish(fill)
                 continue
             with self._lock:
@@ -398,21 +395,16 @@ class RemoteFiles:
                 self._queued -= 1
             try:
                 self._fill(fill)
-            except (OSError, CachefsError) as exc:
-                log.debug("fill of %s failed: %s", fill.relpath, exc)
-            except Exception:
-                log.exception("fill of %s failed unexpectedly", fill.relpath)
+            except Exception as exc:
+                _log_failure(fill, exc)
             finally:
                 self._finish(fill)
 
     def _fill(self, fill: _Fill) -> None:
         try:
             stored = self._store.fill(fill.key, fill.attr, lambda out: self._copy(fill, out))
-        except RemoteChanged:
-            self._on_fill("changed")
-            raise
-        except BaseException:
-            self._on_fill("failed")
+        except BaseException as exc:
+            self._on_fill(_failure(exc))
             raise
         self._on_fill("stored" if stored else "not_stored")
 
@@ -446,3 +438,15 @@ class RemoteFiles:
     def fill_processes(self) -> list[int]:
         """The pids of the fill processes running (--fill-processes)."""
         return self._processes.pids if self._processes is not None else []
+
+
+def _failure(exc: BaseException) -> str:
+    """The outcome a fill that raised ``exc`` is counted as."""
+    return "changed" if isinstance(exc, RemoteChanged) else "failed"
+
+
+def _log_failure(fill: _Fill, exc: Exception) -> None:
+    if isinstance(exc, (OSError, CachefsError)):  # the remote's or the disk's: expected
+        log.debug("fill of %s failed: %s", fill.relpath, exc)
+    else:
+        log.error("fill of %s failed unexpectedly", fill.relpath, exc_info=exc)
