@@ -34,6 +34,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -81,6 +82,24 @@ MAX_QUEUED_FILLS = 4096
 # or two threads), fills fell behind the readers by hundreds of files.
 OPEN_THREADS = 16
 OPENS_PER_OPEN_THREAD = 2
+# Where the remote's opens take no round trip (the median of the last OPEN_TIMES_WINDOW under
+# FAST_OPEN_SECONDS: a local disk, an NFS client holding delegations), a fill's file is
+# opened by the fill thread that copies it instead: a hand-over between two threads costs a
+# wake-up and turns at the interpreter lock, the open itself microseconds.  With the opens
+# on threads of their own against a local tree, the opens waiting for them grew past 30 (each
+# open's thread waiting for the interpreter lock) and all 16 threads ran; opened by the fill
+# threads, half of the opens took under 20 - 60 us, and a fill 480 us of daemon CPU against
+# 720 - 800 (6,000 files of 64 KiB, 8 readers).  An open's time counts its thread's wait for
+# the interpreter lock, which comes in bursts: the median, not the mean, tells.  Until
+# OPEN_TIMES_WINDOW opens were timed the remote counts as slow.
+FAST_OPEN_SECONDS = 0.0003
+OPEN_TIMES_WINDOW = 32
+# A backlog of fills whose copies wait on nothing is worked by as many threads as there are
+# cores, at most: each copy is CPU (the kernel's copy, the cache disk's file system, the
+# checksums), and a thread more than the cores only takes turns.  On 2 cores and a local tree
+# as the remote, eight threads cost 740 - 800 us of daemon CPU per fill and two 560 - 590,
+# at 1,500 against 2,300 files/s (8 readers, 6,000 files of 64 KiB).
+CPU_BOUND_FILL_THREADS = min(FILL_THREADS, max(1, os.cpu_count() or 1))
 
 
 class Handed(NamedTuple):
@@ -109,6 +128,28 @@ class _Fill:
     place: FillPlace | None = None
 
 
+class OpenTimes:
+    """The times of the fills' last OPEN_TIMES_WINDOW opens of remote files: whether the
+    remote's opens are fast (see FAST_OPEN_SECONDS).
+
+    Thread safety: added to by any thread without a lock (a list's append and a slot's store
+    are each atomic under the interpreter lock; a lost time only delays the answer)."""
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+        self._next = 0
+        self.fast = False
+
+    def add(self, seconds: float) -> None:
+        if len(self._times) < OPEN_TIMES_WINDOW:
+            self._times.append(seconds)
+        else:
+            self._times[self._next] = seconds
+            self._next = (self._next + 1) % OPEN_TIMES_WINDOW
+        self.fast = len(self._times) == OPEN_TIMES_WINDOW \
+            and sorted(self._times)[OPEN_TIMES_WINDOW // 2] < FAST_OPEN_SECONDS
+
+
 class RemoteFiles:
     """Remote files opened for the kernel, and their fills.  ``enabled`` is set once the
     mount knows the kernel accepts backing files and the settings let it read the remote."""
@@ -134,6 +175,7 @@ class RemoteFiles:
         self._to_open: queue.SimpleQueue[_Fill | None] = queue.SimpleQueue()
         self._opening = 0
         self._openers: list[threading.Thread] = []
+        self._open_times = OpenTimes()
         self._copy_waits = CopyWaits()
         self._closed = False
 
@@ -162,7 +204,8 @@ class RemoteFiles:
         a backing file of its own from the one registered).  So for it a file is named by an
         O_PATH descriptor, a path walk and no NFS OPEN of ours: one OPEN on the reader's
         time, the kernel's.  A kept one is then opened for reading for its fill, on a
-        thread of its own (see OPEN_THREADS): an OPEN of ours here, in series with the
+        thread of its own (see OPEN_THREADS), or on the fill's where the remote's opens are
+        fast (see FAST_OPEN_SECONDS): an OPEN of ours here, in series with the
         kernel's, made a kept miss wait for two (on the EFS-like remote a plain first epoch
         at f = 1 ran at 0.62 - 0.65x the remote read directly; with the fill's open off the
         reader's time, 0.82 - 0.86x).  A fill process (--fill-processes) is sent an open
@@ -277,13 +320,16 @@ class RemoteFiles:
                 return self._claim_count_locked(fill)
             if self._closed:
                 return True
-            to_open = reader_fd < 0
-            elsewhere = not to_open and self._fills_in_processes(attr.size)
+            # Opened by a thread of its own, unless the remote's opens are fast: then by the
+            # fill thread (see FAST_OPEN_SECONDS).
+            to_open = reader_fd < 0 and not self._open_times.fast
+            elsewhere = reader_fd >= 0 and self._fills_in_processes(attr.size)
             backlog = len(self._fills) if elsewhere else self._queued + self._opening
             skipped = backlog >= MAX_QUEUED_FILLS
             if not skipped:
                 fill = self._fills[ident] = _Fill(
-                    relpath, key, attr, -1 if to_open else os.dup(reader_fd), counted=True)
+                    relpath, key, attr, -1 if reader_fd < 0 else os.dup(reader_fd),
+                    counted=True)
                 if to_open:
                     self._opening += 1
                     thread = self._opener_wanted_locked()
@@ -314,9 +360,12 @@ class RemoteFiles:
     def _thread_wanted_locked(self) -> threading.Thread | None:
         """A new fill thread (to be started), where the queue says one helps."""
         threads = len(self._threads)
-        if not threads or threads < FILL_THREADS and self._queued > threads * (
-                FILL_BACKLOG_PER_THREAD if self._copy_waits.mostly_waiting
-                else MAX_QUEUED_FILLS // FILL_THREADS):
+        if self._copy_waits.mostly_waiting:
+            wanted = threads < FILL_THREADS and self._queued > threads * FILL_BACKLOG_PER_THREAD
+        else:
+            wanted = threads < CPU_BOUND_FILL_THREADS \
+                and self._queued > threads * (MAX_QUEUED_FILLS // FILL_THREADS)
+        if not threads or wanted:
             thread = threading.Thread(target=self._work, name="fill", daemon=True)
             self._threads.append(thread)
             return thread
@@ -340,7 +389,7 @@ class RemoteFiles:
             with self._lock:
                 self._opening -= 1
             try:
-                fd = self._remote.open_file(fill.relpath, fill.attr.version)
+                fd = self._open_timed(fill)
             except Exception as exc:
                 self._on_fill(_failure(exc))
                 _log_failure(fill, exc)
@@ -400,8 +449,19 @@ class RemoteFiles:
             finally:
                 self._finish(fill)
 
+    def _open_timed(self, fill: _Fill) -> int:
+        """Open the fill's remote file; the open's time tells whether opens are fast."""
+        began = time.monotonic()
+        fd = self._remote.open_file(fill.relpath, fill.attr.version)
+        self._open_times.add(time.monotonic() - began)
+        return fd
+
     def _fill(self, fill: _Fill) -> None:
         try:
+            if fill.fd < 0:  # queued unopened: the remote's opens are fast
+                fd = self._open_timed(fill)
+                with self._lock:
+                    fill.fd = fd
             stored = self._store.fill(fill.key, fill.attr, lambda out: self._copy(fill, out))
         except BaseException as exc:
             self._on_fill(_failure(exc))
