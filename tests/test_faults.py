@@ -18,7 +18,7 @@ import pytest
 
 from cachefs.attr import Version
 from cachefs.kernel.mountpoint import find_mount
-from cachefs.store.index import data_key
+from cachefs.store.index import FLUSH_SECONDS, data_key
 from cachefs.store.layout import CacheLayout
 from cachefs.store.store import CHUNK_BYTES
 from tests.conftest import (
@@ -235,11 +235,23 @@ def test_file_changing_while_read_gives_one_version_or_an_error(source, remote, 
 
 
 def _cached_versions(mount, rel: str) -> set[bytes]:
-    """The bytes of every version of ``rel`` the cache indexes whole (its data files)."""
+    """The bytes of every version of ``rel`` the cache indexes whole (its data files).
+
+    The index on disk follows the daemon's by up to FLUSH_SECONDS: a record read from it may
+    be one the daemon has dropped since, with its data file (a version replaced on the
+    remote).  Such a copy is read again once the drop reached the disk."""
+    found: set[bytes] = set()
+    wait_for(lambda: _read_cached_versions(mount, rel, found), timeout=10 * FLUSH_SECONDS,
+             what="the index on disk to match the data files")
+    return found
+
+
+def _read_cached_versions(mount, rel: str, found: set[bytes]) -> bool:
+    """Add to ``found`` the bytes of ``rel`` as the index on disk has it whole; False when its
+    data file is gone (dropped since: the disk has yet to hear of it)."""
     from cachefs.store.index import CacheIndex
     from cachefs.store.store import chunk_count
 
-    found = set()
     scratch = Path(str(mount.cache_dir) + "-index-copy")
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(mount.cache_dir / "index", scratch)
@@ -251,9 +263,12 @@ def _cached_versions(mount, rel: str) -> set[bytes]:
         shutil.rmtree(scratch, ignore_errors=True)
     if record is not None and record.stored_chunks >= chunk_count(record.attr.size):
         layout = CacheLayout(mount.cache_dir, CHUNK_BYTES)
-        found.add(Path(layout.data_path(data_key(os.fsencode(rel), record.version)))
-                  .read_bytes())
-    return found
+        try:
+            found.add(Path(layout.data_path(data_key(os.fsencode(rel), record.version)))
+                      .read_bytes())
+        except FileNotFoundError:
+            return False
+    return True
 
 
 # -- errors the remote answers with --------------------------------------------------------------
