@@ -34,7 +34,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -89,18 +88,6 @@ MAX_QUEUED_UNOPENED_FILLS = 16384
 # or two threads), fills fell behind the readers by hundreds of files.
 OPEN_THREADS = 16
 OPENS_PER_OPEN_THREAD = 2
-# Where the remote's opens take no round trip (the median of the last OPEN_TIMES_WINDOW under
-# FAST_OPEN_SECONDS: a local disk, an NFS client holding delegations), a fill's file is
-# opened by the fill thread that copies it instead: a hand-over between two threads costs a
-# wake-up and turns at the interpreter lock, the open itself microseconds.  With the opens
-# on threads of their own against a local tree, the opens waiting for them grew past 30 (each
-# open's thread waiting for the interpreter lock) and all 16 threads ran; opened by the fill
-# threads, half of the opens took under 20 - 60 us, and a fill 480 us of daemon CPU against
-# 720 - 800 (6,000 files of 64 KiB, 8 readers).  An open's time counts its thread's wait for
-# the interpreter lock, which comes in bursts: the median, not the mean, tells.  Until
-# OPEN_TIMES_WINDOW opens were timed the remote counts as slow.
-FAST_OPEN_SECONDS = 0.0003
-OPEN_TIMES_WINDOW = 32
 # A backlog of fills whose copies wait on nothing is worked by as many threads as there are
 # cores, at most: each copy is CPU (the kernel's copy, the cache disk's file system, the
 # checksums), and a thread more than the cores only takes turns.  On 2 cores and a local tree
@@ -135,28 +122,6 @@ class _Fill:
     place: FillPlace | None = None
 
 
-class OpenTimes:
-    """The times of the fills' last OPEN_TIMES_WINDOW opens of remote files: whether the
-    remote's opens are fast (see FAST_OPEN_SECONDS).
-
-    Thread safety: added to by any thread without a lock (a list's append and a slot's store
-    are each atomic under the interpreter lock; a lost time only delays the answer)."""
-
-    def __init__(self) -> None:
-        self._times: list[float] = []
-        self._next = 0
-        self.fast = False
-
-    def add(self, seconds: float) -> None:
-        if len(self._times) < OPEN_TIMES_WINDOW:
-            self._times.append(seconds)
-        else:
-            self._times[self._next] = seconds
-            self._next = (self._next + 1) % OPEN_TIMES_WINDOW
-        self.fast = len(self._times) == OPEN_TIMES_WINDOW \
-            and sorted(self._times)[OPEN_TIMES_WINDOW // 2] < FAST_OPEN_SECONDS
-
-
 class RemoteFiles:
     """Remote files opened for the kernel, and their fills.  ``enabled`` is set once the
     mount knows the kernel accepts backing files and the settings let it read the remote."""
@@ -182,7 +147,6 @@ class RemoteFiles:
         self._to_open: queue.SimpleQueue[_Fill | None] = queue.SimpleQueue()
         self._opening = 0
         self._openers: list[threading.Thread] = []
-        self._open_times = OpenTimes()
         self._copy_waits = CopyWaits()
         self._closed = False
 
@@ -212,7 +176,7 @@ class RemoteFiles:
         O_PATH descriptor, a path walk and no NFS OPEN of ours: one OPEN on the reader's
         time, the kernel's.  A kept one is then opened for reading for its fill, on a
         thread of its own (see OPEN_THREADS), or on the fill's where the remote's opens are
-        fast (see FAST_OPEN_SECONDS): an OPEN of ours here, in series with the
+        fast (Remote.opens_fast): an OPEN of ours here, in series with the
         kernel's, made a kept miss wait for two (on the EFS-like remote a plain first epoch
         at f = 1 ran at 0.62 - 0.65x the remote read directly; with the fill's open off the
         reader's time, 0.82 - 0.86x).  A fill process (--fill-processes) is sent an open
@@ -328,8 +292,13 @@ class RemoteFiles:
             if self._closed:
                 return True
             # Opened by a thread of its own, unless the remote's opens are fast: then by the
-            # fill thread (see FAST_OPEN_SECONDS).
-            to_open = reader_fd < 0 and not self._open_times.fast
+            # fill thread (a hand-over between two threads costs a wake-up and turns at the
+            # interpreter lock, such an open microseconds).  With the opens on threads of
+            # their own against a local tree, the opens waiting for them grew past 30 (each
+            # open's thread waiting for the interpreter lock) and all 16 threads ran; opened
+            # by the fill threads, a fill cost 480 us of daemon CPU against 720 - 800 (6,000
+            # files of 64 KiB, 8 readers).
+            to_open = reader_fd < 0 and not self._remote.opens_fast
             elsewhere = reader_fd >= 0 and self._fills_in_processes(attr.size)
             backlog = len(self._fills) if elsewhere else self._queued + self._opening
             skipped = backlog >= (MAX_QUEUED_FILLS if reader_fd >= 0
@@ -397,7 +366,7 @@ class RemoteFiles:
             with self._lock:
                 self._opening -= 1
             try:
-                fd = self._open_timed(fill)
+                fd = self._remote.open_file(fill.relpath, fill.attr.version)
             except Exception as exc:
                 self._on_fill(_failure(exc))
                 _log_failure(fill, exc)
@@ -457,17 +426,10 @@ class RemoteFiles:
             finally:
                 self._finish(fill)
 
-    def _open_timed(self, fill: _Fill) -> int:
-        """Open the fill's remote file; the open's time tells whether opens are fast."""
-        began = time.monotonic()
-        fd = self._remote.open_file(fill.relpath, fill.attr.version)
-        self._open_times.add(time.monotonic() - began)
-        return fd
-
     def _fill(self, fill: _Fill) -> None:
         try:
             if fill.fd < 0:  # queued unopened: the remote's opens are fast
-                fd = self._open_timed(fill)
+                fd = self._remote.open_file(fill.relpath, fill.attr.version)
                 with self._lock:
                     fill.fd = fd
             stored = self._store.fill(fill.key, fill.attr, lambda out: self._copy(fill, out))

@@ -40,6 +40,17 @@ PROBE_INTERVAL_SECONDS = 1.0
 # a dataset (COCO's 118,000 images), and a bound on what `ls` of a huge directory costs
 # where the server answers no READDIRPLUS (then each lstat is a round trip of its own).
 LISTED_ATTRS_MAX = 131_072
+# The remote's opens are fast (no round trip: a local disk, an NFS client holding
+# delegations) when the median of the last OPEN_TIMES_WINDOW took under FAST_OPEN_SECONDS.
+# The threads that open remote files then do so themselves instead of handing it to threads
+# that wait on round trips (handover.py), and prefetch workers run no more at once than the
+# cores (prefetcher.py): a hand-over, or a thread more, costs wake-ups and turns at the
+# interpreter lock, an open here microseconds.  An open's time counts its thread's wait for
+# the interpreter lock, which comes in bursts: the median, not the mean, tells (a local tree
+# as the remote, fills opening their files on 2 cores: half the opens under 20 - 60 us, the
+# slowest over 2 ms).  Until OPEN_TIMES_WINDOW opens were timed the remote counts as slow.
+FAST_OPEN_SECONDS = 0.0003
+OPEN_TIMES_WINDOW = 32
 
 
 class Remote:
@@ -69,6 +80,7 @@ class Remote:
         self._closed = False
         self.watchdog = remotewait.Watchdog(timeout_seconds, self.timed_out)
         remotewait.install(self.watchdog)
+        self._open_times = OpenTimes()
 
     def close(self) -> None:
         self._closed = True
@@ -81,6 +93,11 @@ class Remote:
     @property
     def available(self) -> bool:
         return self._available
+
+    @property
+    def opens_fast(self) -> bool:
+        """Whether opening a remote file takes no round trip (see FAST_OPEN_SECONDS)."""
+        return self._open_times.fast
 
     # -- the one way to call the remote ----------------------------------------------------
 
@@ -176,7 +193,10 @@ class Remote:
     def open_file(self, relpath: str, expected: Version) -> int:
         """A descriptor of the remote file, checked to be version ``expected`` (RemoteChanged
         otherwise); the caller closes it."""
-        return self.call(_open_checked, self.path(relpath), expected)
+        began = time.monotonic()
+        fd = self.call(_open_checked, self.path(relpath), expected)
+        self._open_times.add(time.monotonic() - began)
+        return fd
 
     def locate_file(self, relpath: str, expected: Version) -> int:
         """An O_PATH descriptor of the remote file (a path walk, no NFS OPEN: nothing to
@@ -188,6 +208,28 @@ class Remote:
         """Bytes the kernel reads from the remote on our behalf: a file handed to it, or
         copied by it into the cache (see handover.py)."""
         self._on_read_bytes(nbytes)
+
+
+class OpenTimes:
+    """The times of the last OPEN_TIMES_WINDOW opens of remote files: whether they are fast.
+
+    Thread safety: added to by any thread without a lock (a list's append and a slot's store
+    are each atomic under the interpreter lock; a time lost to a race only delays the
+    answer)."""
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+        self._next = 0
+        self.fast = False
+
+    def add(self, seconds: float) -> None:
+        if len(self._times) < OPEN_TIMES_WINDOW:
+            self._times.append(seconds)
+        else:
+            self._times[self._next] = seconds
+            self._next = (self._next + 1) % OPEN_TIMES_WINDOW
+        self.fast = len(self._times) == OPEN_TIMES_WINDOW \
+            and sorted(self._times)[OPEN_TIMES_WINDOW // 2] < FAST_OPEN_SECONDS
 
 
 class RemoteFile:
