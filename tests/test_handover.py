@@ -185,6 +185,42 @@ def test_hinted_misses_are_staged_as_copies_the_kernel_made(source, remote, moun
     assert mount.status()["prefetch"]["staging_bytes"] == 0
 
 
+def test_a_remote_whose_opens_are_fast_has_every_miss_filled_and_every_hint_fetched(
+        source, mount_cachefs):
+    """A remote that opens files without a round trip (here a plain directory: a local disk,
+    an NFS client holding delegations) has its kept misses opened by the fill threads and
+    its hints fetched by as many workers as there are cores (Remote.opens_fast): every fill
+    still lands, with the remote's bytes, and every hinted file is cached before its reader
+    comes.  More files than the window of opens that decides it (32), in both parts."""
+    from cachefs_client import send_hints
+
+    rng = random.Random(11)
+    files = {f"d{i % 4}/f{i}.bin": rng.randbytes(20_000 + i) for i in range(240)}
+    for rel, data in files.items():
+        (source / rel).parent.mkdir(exist_ok=True)
+        (source / rel).write_bytes(data)
+    mount = mount_cachefs(source, fraction=1.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files")
+    read, hinted = sorted(files)[:120], sorted(files)[120:]
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(lambda rel: _whole(mount.path / rel), read)) \
+            == [files[rel] for rel in read]
+    mount.settle()
+    assert mount.metric("cachefs_fills_total", result="stored") == len(read)
+    assert mount.metric("cachefs_fills_total", result="skipped") == 0
+    assert send_hints([mount.path / rel for rel in hinted]) == len(hinted)
+    wait_for(lambda: mount.status()["hints"]["accepted"] == len(hinted),
+             what="every hinted file fetched")
+    assert mount.status()["cache_files"] == len(files)
+    for rel, data in files.items():
+        assert _cached_bytes(mount, source, rel) == data
+        assert _whole(mount.path / rel) == data
+    assert mount.metric("cachefs_file_opens_total", result="miss") == len(read)
+    assert mount.metric("cachefs_file_opens_total", result="hit") == len(read)
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == len(hinted)
+
+
 def _not_kept(source, remote, mount_cachefs, rel: str, seed: int, **options):
     """A file of 400,000 random bytes at ``rel``, mounted at f = 0 (kept by none) where the
     kernel takes backing files: the mount and the file's bytes."""
