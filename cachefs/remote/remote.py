@@ -48,7 +48,8 @@ LISTED_ATTRS_MAX = 131_072
 # interpreter lock, an open here microseconds.  An open's time counts its thread's wait for
 # the interpreter lock, which comes in bursts: the median, not the mean, tells (a local tree
 # as the remote, fills opening their files on 2 cores: half the opens under 20 - 60 us, the
-# slowest over 2 ms).  Until OPEN_TIMES_WINDOW opens were timed the remote counts as slow.
+# slowest over 2 ms).  Until more than half of OPEN_TIMES_WINDOW opens were timed fast, the
+# remote counts as slow.
 FAST_OPEN_SECONDS = 0.0003
 OPEN_TIMES_WINDOW = 32
 
@@ -213,23 +214,22 @@ class Remote:
 class OpenTimes:
     """The times of the last OPEN_TIMES_WINDOW opens of remote files: whether they are fast.
 
-    Thread safety: added to by any thread without a lock (a list's append and a slot's store
-    are each atomic under the interpreter lock; a time lost to a race only delays the
+    Thread safety: added to by any thread without a lock (a slot's store is atomic under the
+    interpreter lock; two threads storing into one slot lose a time, which only delays the
     answer)."""
 
     def __init__(self) -> None:
-        self._times: list[float] = []
+        # Slots not yet timed count as slow: the remote is fast once more than half of a
+        # window of opens were.
+        self._times = [float("inf")] * OPEN_TIMES_WINDOW
         self._next = 0
         self.fast = False
 
     def add(self, seconds: float) -> None:
-        if len(self._times) < OPEN_TIMES_WINDOW:
-            self._times.append(seconds)
-        else:
-            self._times[self._next] = seconds
-            self._next = (self._next + 1) % OPEN_TIMES_WINDOW
-        self.fast = len(self._times) == OPEN_TIMES_WINDOW \
-            and sorted(self._times)[OPEN_TIMES_WINDOW // 2] < FAST_OPEN_SECONDS
+        slot = self._next
+        self._next = (slot + 1) % OPEN_TIMES_WINDOW
+        self._times[slot] = seconds
+        self.fast = sorted(self._times)[OPEN_TIMES_WINDOW // 2] < FAST_OPEN_SECONDS
 
 
 class RemoteFile:
