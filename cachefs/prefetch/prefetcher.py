@@ -47,7 +47,7 @@ from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.pagecache import uncached_bytes
-from cachefs.remote.remote import Remote
+from cachefs.remote.remote import CORES, Remote
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,6 @@ STAGING_WAIT_SECONDS = 30.0
 RECENT_OPEN_SECONDS = 2.0
 MAX_RECENT_OPENS = 4096
 MAINTENANCE_INTERVAL_SECONDS = 5.0
-CORES = max(1, os.cpu_count() or 1)
 # Errors that mean the hint named nothing the caller may read.
 _INVALID_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ELOOP, errno.ENAMETOOLONG}
 

@@ -43,7 +43,7 @@ from cachefs.errors import CachefsError, RemoteChanged
 from cachefs.remote.copy import CopyWaits, send_checked
 from cachefs.remote.fillprocess import CHANGED, COPIED, DISK, FillProcesses, Outcome
 from cachefs.remote.pagecache import uncached_bytes
-from cachefs.remote.remote import Remote
+from cachefs.remote.remote import CORES, Remote
 from cachefs.store.store import CacheStore, FillPlace
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ OPENS_PER_OPEN_THREAD = 2
 # checksums), and a thread more than the cores only takes turns.  On 2 cores and a local tree
 # as the remote, eight threads cost 740 - 800 us of daemon CPU per fill and two 560 - 590,
 # at 1,500 against 2,300 files/s (8 readers, 6,000 files of 64 KiB).
-CPU_BOUND_FILL_THREADS = min(FILL_THREADS, max(1, os.cpu_count() or 1))
+CPU_BOUND_FILL_THREADS = min(FILL_THREADS, CORES)
 
 
 class Handed(NamedTuple):
@@ -292,12 +292,7 @@ class RemoteFiles:
             if self._closed:
                 return True
             # Opened by a thread of its own, unless the remote's opens are fast: then by the
-            # fill thread (a hand-over between two threads costs a wake-up and turns at the
-            # interpreter lock, such an open microseconds).  With the opens on threads of
-            # their own against a local tree, the opens waiting for them grew past 30 (each
-            # open's thread waiting for the interpreter lock) and all 16 threads ran; opened
-            # by the fill threads, a fill cost 480 us of daemon CPU against 720 - 800 (6,000
-            # files of 64 KiB, 8 readers).
+            # fill thread (see FAST_OPEN_SECONDS in remote.py).
             to_open = reader_fd < 0 and not self._remote.opens_fast
             elsewhere = reader_fd >= 0 and self._fills_in_processes(attr.size)
             backlog = len(self._fills) if elsewhere else self._queued + self._opening
