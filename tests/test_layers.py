@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cachefs"
 # Lowest first.  "" is the shared vocabulary: cachefs/attr.py, errors.py, sizes.py,
-# metrics.py, remotewait.py.
+# metrics.py, remotewait.py, limits.py.
 LAYERS = ["", "kernel", "store", "remote", "peer", "prefetch", "mirror", "control", "service"]
 ENTRY_POINT = "__main__"  # python -m cachefs: the command line, so at the top
 

@@ -98,7 +98,8 @@ def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
 
 def test_the_held_files_bound_is_a_share_of_the_memory_the_daemon_may_use(
         source, remote, mount_cachefs):
-    from cachefs.service.memory import default_held_files, memory_limit_bytes
+    from cachefs.limits import memory_limit_bytes
+    from cachefs.service.memory import default_held_files
 
     (source / "f.bin").write_bytes(b"x")
     mount = mount_cachefs(remote.path)
@@ -119,7 +120,8 @@ def test_the_held_files_bound_is_a_share_of_the_memory_the_daemon_may_use(
 
 def test_the_staging_bound_is_a_share_of_the_memory_the_daemon_may_use(
         source, remote, mount_cachefs):
-    from cachefs.service.memory import default_staging_bytes, memory_limit_bytes
+    from cachefs.limits import memory_limit_bytes
+    from cachefs.service.memory import default_staging_bytes
 
     (source / "f.bin").write_bytes(b"x")
     mount = mount_cachefs(remote.path)
@@ -136,11 +138,8 @@ def test_the_staging_bound_is_a_share_of_the_memory_the_daemon_may_use(
 
 
 def test_the_memory_limit_is_the_lowest_of_the_cgroups_above(tmp_path):
-    from cachefs.service.memory import (
-        _cgroup_limit_bytes,
-        default_held_files,
-        default_staging_bytes,
-    )
+    from cachefs.limits import cgroup_memory_limit
+    from cachefs.service.memory import default_held_files, default_staging_bytes
 
     membership = tmp_path / "cgroup"
     v2 = tmp_path / "v2"
@@ -150,7 +149,7 @@ def test_the_memory_limit_is_the_lowest_of_the_cgroups_above(tmp_path):
     (v2 / "pods" / "pod1" / "memory.max").write_text(f"{16 << 30}\n")
     (v2 / "pods" / "pod1" / "cachefs" / "memory.max").write_text("max\n")
     membership.write_text("0::/pods/pod1/cachefs\n")
-    assert _cgroup_limit_bytes(v2, membership) == 16 << 30
+    assert cgroup_memory_limit(v2, membership) == 16 << 30
     assert default_held_files(16 << 30) == 131072
     # In a container the cgroup it is in is the root it sees.
     container = tmp_path / "container"
@@ -158,9 +157,9 @@ def test_the_memory_limit_is_the_lowest_of_the_cgroups_above(tmp_path):
     (container / "cgroup.controllers").write_text("cpu memory\n")
     (container / "memory.max").write_text("max\n")
     membership.write_text("0::/elsewhere/cachefs\n")
-    assert _cgroup_limit_bytes(container, membership) is None
+    assert cgroup_memory_limit(container, membership) is None
     (container / "memory.max").write_text(f"{4 << 30}\n")
-    assert _cgroup_limit_bytes(container, membership) == 4 << 30
+    assert cgroup_memory_limit(container, membership) == 4 << 30
     assert default_held_files(4 << 30) == 65536  # the floor
     assert default_staging_bytes(4 << 30) == 256 << 20
     assert default_staging_bytes(64 << 30) == 512 << 20  # the ceiling
@@ -170,11 +169,65 @@ def test_the_memory_limit_is_the_lowest_of_the_cgroups_above(tmp_path):
     (v1 / "memory" / "unit").mkdir(parents=True)
     (v1 / "memory" / "unit" / "memory.limit_in_bytes").write_text(f"{32 << 30}\n")
     membership.write_text("4:memory:/unit\n0::/\n")
-    assert _cgroup_limit_bytes(v1, membership) == 32 << 30
+    assert cgroup_memory_limit(v1, membership) == 32 << 30
     (v1 / "memory" / "unit" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    assert _cgroup_limit_bytes(v1, membership) is None  # v1's "no limit"
+    assert cgroup_memory_limit(v1, membership) is None  # v1's "no limit"
     membership.write_text("garbage\n")
-    assert _cgroup_limit_bytes(v1, membership) is None
+    assert cgroup_memory_limit(v1, membership) is None
+
+
+def test_the_cores_are_the_fewest_the_affinity_and_the_cgroups_cpu_quotas_allow(tmp_path):
+    from cachefs.limits import cpu_quota, usable_cores
+
+    membership = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    (v2 / "kubepods" / "pod1" / "cachefs").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
+    (v2 / "kubepods" / "cpu.max").write_text("max 100000\n")
+    (v2 / "kubepods" / "pod1" / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs
+    (v2 / "kubepods" / "pod1" / "cachefs" / "cpu.max").write_text("400000 100000\n")
+    membership.write_text("0::/kubepods/pod1/cachefs\n")
+    assert cpu_quota(v2, membership) == 1.5
+    assert usable_cores(v2, membership) == min(2, len(os.sched_getaffinity(0)))
+    (v2 / "kubepods" / "pod1" / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(v2, membership) == 4.0
+    (v2 / "kubepods" / "pod1" / "cachefs" / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(v2, membership) is None
+    assert usable_cores(v2, membership) == len(os.sched_getaffinity(0))
+    (v2 / "kubepods" / "pod1" / "cachefs" / "cpu.max").write_text("20000 100000\n")
+    assert usable_cores(v2, membership) == 1  # a fifth of a CPU still runs a thread
+
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "unit").mkdir(parents=True)  # mounted under the names it shares
+    (v1 / "cpu,cpuacct" / "unit" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu,cpuacct" / "unit" / "cpu.cfs_quota_us").write_text("300000\n")
+    membership.write_text("3:cpu,cpuacct:/unit\n4:memory:/unit\n")
+    assert cpu_quota(v1, membership) == 3.0
+    (v1 / "cpu,cpuacct" / "unit" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(v1, membership) is None  # v1's "no quota"
+    membership.write_text("garbage\n")
+    assert cpu_quota(v1, membership) is None
+
+
+def test_the_daemon_sizes_its_threads_by_the_cores_it_may_run_on(
+        source, remote, mount_cachefs):
+    """A daemon started on one CPU of the machine's (its affinity, as `taskset` or a cpuset
+    gives it) counts one core, and says so."""
+    (source / "f.bin").write_bytes(b"x")
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        mount = mount_cachefs(remote.path)  # inherits this process's affinity
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert mount.status()["cores"] == 1
+    assert (mount.path / "f.bin").read_bytes() == b"x"
+    shown = subprocess.run([sys.executable, "-m", "cachefs", "status", str(mount.path)],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert "threads sized for 1 core" in shown
+    mount.stop()
+    mount = mount_cachefs(remote.path, name="all")
+    assert mount.status()["cores"] == len(allowed)
 
 
 def listing(root: Path) -> list[tuple[str, int, int, int]]:

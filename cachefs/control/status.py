@@ -91,6 +91,10 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                    + f"{format_bytes(read['remote'])} from remote"),
         ("remote read", format_bytes(st["remote_read_bytes"])),
     ]
+    cores = st.get("cores")  # absent from a daemon of an earlier version
+    if cores:
+        rows.append(("cpu", f"threads sized for {cores} core{'s' if cores != 1 else ''} "
+                            "(its CPU affinity, its cgroups' CPU quota)"))
     memory = st.get("memory")
     if memory:
         rows.append(("memory", f"{memory['nodes']:,} nodes the kernel holds; attributes of "

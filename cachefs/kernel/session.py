@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cachefs import remotewait
+from cachefs import limits, remotewait
 from cachefs.kernel import mount as kmount
 from cachefs.kernel import protocol as p
 
@@ -72,7 +72,7 @@ MAX_THREADS = 128
 # page cache kept 60-80 against 35-45; `python3 -m bench.datapath`) in GIL hand-offs between
 # them, some 15 futex calls per file (strace -c); on more cores the kernel's side of the
 # requests, outside the GIL, overlaps.
-BASE_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+BASE_THREADS = max(1, min(4, limits.CORES // 2))
 # Threads kept beyond the base once a burst of misses made them: an idle thread waits in
 # the kernel at no cost, a parked one costs a wake-up when the next miss comes.
 SPARE_THREADS = 4

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from cachefs import remotewait
+from cachefs import limits, remotewait
 from cachefs.attr import Attr, Version
 from cachefs.errors import RemoteChanged, RemoteUnavailable
 
@@ -55,8 +55,9 @@ LISTED_ATTRS_MAX = 131_072
 # remote counts as slow.
 FAST_OPEN_SECONDS = 0.0003
 OPEN_TIMES_WINDOW = 32
-# The threads that may copy or fetch from such a remote at once, at most.
-CORES = max(1, os.cpu_count() or 1)
+# The threads that may copy or fetch from such a remote at once, at most: the cores this
+# process may run on (its affinity, its cgroups' CPU quota).
+CORES = limits.CORES
 
 
 class Remote:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import xxhash
 
-from cachefs import __version__
+from cachefs import __version__, limits
 from cachefs.address import MetricsAddress
 from cachefs.control.server import ControlServer, Peer, Reply
 from cachefs.errors import CachefsError, UsageError
@@ -396,6 +396,7 @@ class Daemon:
             "remote_available": bool(m.value("cachefs_remote_available")),
             "open_files": self.fs.open_files if self.fs else 0,
             "memory": self._memory_status(),
+            "cores": limits.CORES,
             "data_path": self.data_path,
             "remote_handed_over": bool(self.remote_files and self.remote_files.enabled),
             "metrics_url": metrics_url,
