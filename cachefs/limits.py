@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -31,6 +33,25 @@ def usable_cores(root: Path = _CGROUP_ROOT, membership: Path = _MEMBERSHIP) -> i
     if quota is not None:
         cores = min(cores, math.ceil(quota))
     return max(1, cores)
+
+
+@contextmanager
+def every_cpu() -> Iterator[None]:
+    """Let the calling thread run on every CPU this process could at start (ALLOWED_CPUS)
+    for the duration, then keep it to those it kept to before.  For work in the kernel that
+    takes no turn at the interpreter lock, such as the copy of a large file, on a thread of
+    a serving process that keeps to one CPU (service/affinity.py)."""
+    before = os.sched_getaffinity(0)
+    try:
+        if before != ALLOWED_CPUS:
+            os.sched_setaffinity(0, ALLOWED_CPUS)
+    except OSError:  # a cpuset narrowed since the start: the thread stays where it was
+        before = ALLOWED_CPUS
+    try:
+        yield
+    finally:
+        if before != ALLOWED_CPUS:
+            os.sched_setaffinity(0, before)
 
 
 def cpu_quota(root: Path = _CGROUP_ROOT, membership: Path = _MEMBERSHIP) -> float | None:
@@ -128,5 +149,8 @@ def _read_bytes(path: Path) -> int | None:
     return limit if limit < 1 << 62 else None
 
 
-# Computed once: the daemon sizes its threads by it at start.
+# Computed once, at import: the daemon sizes its threads by them at start, before its serving
+# process keeps to fewer CPUs (service/affinity.py), and gives the processes it starts
+# ALLOWED_CPUS again.
+ALLOWED_CPUS = frozenset(os.sched_getaffinity(0))
 CORES = usable_cores()

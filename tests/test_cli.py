@@ -63,6 +63,8 @@ def assert_refused(result, *words, mnt=None):
     (["--remote-timeout", "0"], ["--remote-timeout"]),
     (["--metrics-addr", "localhost:99999"], ["--metrics-addr", "out of range"]),
     (["--prefetch-concurrency", "0"], ["--prefetch-concurrency"]),
+    (["--cpus", "some"], ["--cpus", "a list of CPUs such as 0,2-3"]),
+    (["--cpus", "4096"], ["--cpus", "CPU 4096 is not one this process may run on"]),
     (["--bogus-flag"], ["unrecognized arguments"]),
 ])
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["mount", "dry-run"])

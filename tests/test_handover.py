@@ -430,6 +430,39 @@ def _reading_during_a_slow_fill(mount, remote, rel: str, mbps: float):
     return f, head
 
 
+def test_a_large_copy_runs_on_every_cpu_while_the_serving_threads_keep_to_one(
+        source, remote, mount_cachefs):
+    """--cpus auto keeps the daemon's threads to one CPU; the thread copying a file over a
+    piece (1 MiB) into the cache runs on every CPU for that copy, then keeps to the one
+    again."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("one CPU: there is nothing to keep to")
+    data = random.Random(5).randbytes(8 * 2**20)
+    (source / "shard.bin").write_bytes(data)
+    mount = mount_cachefs(remote.path, fraction=1.0, **KERNEL)
+    if not mount.hands_over_remote:
+        pytest.skip("this kernel takes no backing files: misses go through the daemon")
+    pid = mount.status()["pid"]
+
+    def masks() -> list[frozenset[int]]:
+        return [frozenset(os.sched_getaffinity(int(tid)))
+                for tid in os.listdir(f"/proc/{pid}/task")]
+
+    f, head = _reading_during_a_slow_fill(mount, remote, "shard.bin", 4)  # about 2 s
+    with f:
+        during = masks()
+        remote.configure(bandwidth_mbps=0)
+        assert head + f.read() == data
+    assert during.count(allowed) == 1  # the fill thread, copying
+    (one,) = set(during) - {allowed}
+    assert len(one) == 1 and str(min(one)) == mount.status()["cpus"]
+    mount.settle()
+    assert mount.metric("cachefs_fills_total", result="stored") == 1
+    assert set(masks()) == {one}  # the copy done, its thread keeps to the one CPU again
+    assert _cached_bytes(mount, source, "shard.bin") == data
+
+
 # Who copies a kept file into the cache: threads of the daemon, or processes of their own.
 FILLERS = {"threads": {}, "processes": {"fill_processes": 2}}
 
@@ -531,6 +564,9 @@ def test_fill_processes_store_what_the_readers_read(source, remote, mount_cachef
     mount.settle()
     fillers = _fill_processes(mount)
     assert 1 <= len(fillers) <= 2
+    # Started by the serving process, which keeps to one CPU; they copy on every CPU.
+    for pid in fillers:
+        assert os.sched_getaffinity(pid) == os.sched_getaffinity(0)
     assert mount.metric("cachefs_fills_total", result="stored") == len(files)
     assert mount.status()["cache_files"] == len(files)
     assert not os.listdir(mount.cache_dir / "tmp")

@@ -209,6 +209,39 @@ def test_the_cores_are_the_fewest_the_affinity_and_the_cgroups_cpu_quotas_allow(
     assert cpu_quota(v1, membership) is None
 
 
+def _threads_cpus(pid: int) -> set[frozenset[int]]:
+    """The CPUs each thread of ``pid`` may run on, as a set of the distinct sets."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_the_serving_threads_keep_to_one_cpu_unless_told_otherwise(
+        source, remote, mount_cachefs):
+    """--cpus: by default every thread of the serving process keeps to one CPU (they take
+    turns at one interpreter lock); 'all' leaves them every CPU, a list the CPUs named."""
+    (source / "f.bin").write_bytes(b"x" * 70_000)
+    allowed = frozenset(os.sched_getaffinity(0))
+    mount = mount_cachefs(remote.path, fraction=1.0)
+    assert (mount.path / "f.bin").read_bytes() == b"x" * 70_000
+    pid = mount.status()["pid"]
+    assert len(os.listdir(f"/proc/{pid}/task")) > 5  # the fuse, fill, prefetch... threads
+    ((cpu,),) = _threads_cpus(pid)  # one set of one CPU
+    if len(allowed) > 1:
+        assert mount.status()["cpus"] == str(cpu)
+        shown = subprocess.run([sys.executable, "-m", "cachefs", "status", str(mount.path)],
+                               capture_output=True, text=True, timeout=30).stdout
+        assert f"serving on CPU {cpu};" in shown
+    mount.stop()
+    mount = mount_cachefs(remote.path, name="all", cpus="all")
+    assert (mount.path / "f.bin").read_bytes() == b"x" * 70_000
+    assert _threads_cpus(mount.status()["pid"]) == {allowed}
+    assert mount.status()["cpus"] == "all it may run on"
+    mount.stop()
+    named = max(allowed)
+    mount = mount_cachefs(remote.path, name="named", cpus=str(named))
+    assert (mount.path / "f.bin").read_bytes() == b"x" * 70_000
+    assert _threads_cpus(mount.status()["pid"]) == {frozenset({named})}
+
+
 def test_the_daemon_sizes_its_threads_by_the_cores_it_may_run_on(
         source, remote, mount_cachefs):
     """A daemon started on one CPU of the machine's (its affinity, as `taskset` or a cpuset

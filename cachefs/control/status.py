@@ -93,8 +93,10 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
     ]
     cores = st.get("cores")  # absent from a daemon of an earlier version
     if cores:
-        rows.append(("cpu", f"threads sized for {cores} core{'s' if cores != 1 else ''} "
-                            "(its CPU affinity, its cgroups' CPU quota)"))
+        on = st.get("cpus")
+        rows.append(("cpu", (f"serving on CPU {on}; " if on and on[0].isdigit() else "")
+                     + f"threads sized for {cores} core{'s' if cores != 1 else ''} "
+                     "(its CPU affinity, its cgroups' CPU quota)"))
     memory = st.get("memory")
     if memory:
         rows.append(("memory", f"{memory['nodes']:,} nodes the kernel holds; attributes of "

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from cachefs import limits
 from cachefs.attr import Version
 from cachefs.errors import CacheCorrupt, CacheUnavailable, RemoteChanged
 from cachefs.remote.copy import CopyWaits, send_checked
@@ -335,6 +336,12 @@ class FillProcesses:
             raise
         finally:
             theirs.close()
+        # Copies on CPUs of its own: the daemon's serving threads may keep to one
+        # (service/affinity.py), which the process inherited.
+        try:
+            os.sched_setaffinity(process.pid, limits.ALLOWED_CPUS)
+        except OSError:
+            pass  # it ended already: found as any process that dies
         worker = _Worker(process, ours, time.monotonic())
         threading.Thread(target=self._answers, args=(worker,), name="fill-answers",
                          daemon=True).start()

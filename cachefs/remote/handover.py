@@ -34,13 +34,14 @@ import logging
 import os
 import queue
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cachefs import remotewait
+from cachefs import limits, remotewait
 from cachefs.attr import Attr, Version
 from cachefs.errors import CachefsError, RemoteChanged
-from cachefs.remote.copy import CopyWaits, send_checked
+from cachefs.remote.copy import COPY_PIECE_BYTES, CopyWaits, send_checked
 from cachefs.remote.fillprocess import CHANGED, COPIED, DISK, FillProcesses, Outcome
 from cachefs.remote.pagecache import uncached_bytes
 from cachefs.remote.remote import CORES, Remote
@@ -427,7 +428,12 @@ class RemoteFiles:
                 fd = self._remote.open_file(fill.relpath, fill.attr.version)
                 with self._lock:
                     fill.fd = fd
-            stored = self._store.fill(fill.key, fill.attr, lambda out: self._copy(fill, out))
+            # A copy of more than a piece is mostly the kernel's work, on whatever CPU is free
+            # (the serving threads may keep to one); a smaller one takes turns at the
+            # interpreter lock more than it copies.
+            with limits.every_cpu() if fill.attr.size > COPY_PIECE_BYTES else nullcontext():
+                stored = self._store.fill(fill.key, fill.attr,
+                                          lambda out: self._copy(fill, out))
         except BaseException as exc:
             self._on_fill(_failure(exc))
             raise

@@ -76,6 +76,10 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fill-processes", help="processes copying the files kept into the "
                         "cache as readers open them, with --passthrough auto (default 0: "
                         "threads of the daemon)")
+    parser.add_argument("--cpus", help="CPUs the daemon's threads keep to: 'auto' (default), "
+                        "one of those it may run on, chosen from the mount point (its threads "
+                        "take turns at one interpreter lock: spread over CPUs, each turn "
+                        "wakes another); 'all'; or a list such as 0,2-3")
     parser.add_argument("--runtime-dir", help="directory of the control socket")
     parser.add_argument("--peers", help="a cluster: HOST:PORT of every node, comma-separated, "
                         "or dns:NAME:PORT (a headless Service); each file is cached by one "
@@ -191,7 +195,7 @@ def _complete_paths(parser: argparse.ArgumentParser) -> None:
 SETTING_FLAGS = ("backing", "mountpoint", "cache_dir", "cache_size", "fraction", "seed",
                  "metrics_addr", "revalidate", "remote_timeout", "prefetch_concurrency",
                  "attr_cache_entries", "held_files", "staging_size", "allow_other", "passthrough",
-                 "fill_processes", "log_file", "runtime_dir", "peers", "peer_listen",
+                 "fill_processes", "cpus", "log_file", "runtime_dir", "peers", "peer_listen",
                  "peer_address", "peer_secret_file", "peer_timeout")
 
 

@@ -19,6 +19,7 @@ from cachefs.address import MetricsAddress
 from cachefs.errors import UsageError
 from cachefs.peer.members import PeerList, parse_address
 from cachefs.remote.attrcache import DEFAULT_MAX_ENTRIES as DEFAULT_ATTR_CACHE_ENTRIES
+from cachefs.service.affinity import parse_cpus
 from cachefs.sizes import parse_size
 
 DEFAULT_METRICS_PORT = 9477
@@ -67,6 +68,9 @@ class Settings:
     # Processes that copy and hash the fills of readers' files (remote/fillprocess.py); 0:
     # threads of the daemon.
     fill_processes: int = 0
+    # The CPUs the serving process's threads keep to (service/affinity.py): "auto", one of
+    # those it may run on; "all"; or the CPUs named.
+    cpus: str | frozenset[int] = "auto"
     log_file: Path | None = None
     runtime_dir: Path | None = None
     # The cluster tier (cachefs/peer): off unless peers are given.
@@ -210,6 +214,7 @@ PARSERS = {
     "allow_other": _bool,
     "passthrough": _passthrough,
     "fill_processes": _processes,
+    "cpus": parse_cpus,
     "log_file": _path,
     "runtime_dir": _path,
     "peers": PeerList.parse,

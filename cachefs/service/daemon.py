@@ -58,7 +58,7 @@ from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.origin import RemoteOrigin
 from cachefs.remote.remote import Remote
-from cachefs.service import heap, sdnotify
+from cachefs.service import affinity, heap, sdnotify
 from cachefs.service.config import Settings
 from cachefs.service.memory import default_held_files, default_staging_bytes
 from cachefs.service.supervisor import Succession
@@ -131,6 +131,7 @@ class Daemon:
         self.staging: StagingArea | None = None
         self.remote_files: RemoteFiles | None = None
         self.fs: MirrorFS | None = None
+        self.cpus: frozenset[int] | None = None  # those the serving threads keep to; None: all
         self.peer_server: PeerServer | None = None
         self.peer_client: PeerClient | None = None
         self.data_path = "not mounted"
@@ -141,6 +142,9 @@ class Daemon:
         s = self.settings
         m = self.metrics
         heap.map_large_blocks()  # before the tables that grow with the dataset
+        # Before the threads start: they keep to the CPUs of the thread that starts them.
+        self.cpus = affinity.serving_cpus(s.cpus, str(s.mountpoint))
+        affinity.keep_to(self.cpus)
         try:
             members = None
             if s.peers is not None:
@@ -397,6 +401,7 @@ class Daemon:
             "open_files": self.fs.open_files if self.fs else 0,
             "memory": self._memory_status(),
             "cores": limits.CORES,
+            "cpus": affinity.describe(self.cpus),
             "data_path": self.data_path,
             "remote_handed_over": bool(self.remote_files and self.remote_files.enabled),
             "metrics_url": metrics_url,

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cachefs.errors import UsageError
+from cachefs.service.affinity import describe_setting
 from cachefs.service.config import FIELD_FOR_KEY, Settings
 from cachefs.sizes import format_bytes
 from cachefs.store.admission import FractionAdmission
@@ -131,6 +132,8 @@ def _value_text(key: str, settings: Settings) -> str:
 
         value = default_staging_bytes()
         return f"{format_bytes(value)} ({value:,} bytes; sized from the memory it may use)"
+    if key == "cpus":
+        return describe_setting(value, str(settings.mountpoint))
     if value is None:
         return {"revalidate": "never", "metrics_addr": "off"}.get(key, "-")
     if key in ("cache_size", "staging_size"):
