@@ -34,7 +34,7 @@ import logging
 import os
 import queue
 import threading
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -230,7 +230,8 @@ class RemoteFiles:
         The bytes are the caller's to count (:meth:`count_read`): a reader may have counted
         them already."""
         fetched = uncached_bytes(fd, attr.size)
-        send_checked(fd, into, attr.version, self._remote.call)
+        with _cpus_for_copy(attr.size):
+            send_checked(fd, into, attr.version, self._remote.call)
         return fetched
 
     def count_read(self, nbytes: int) -> None:
@@ -428,10 +429,7 @@ class RemoteFiles:
                 fd = self._remote.open_file(fill.relpath, fill.attr.version)
                 with self._lock:
                     fill.fd = fd
-            # A copy of more than a piece is mostly the kernel's work, on whatever CPU is free
-            # (the serving threads may keep to one); a smaller one takes turns at the
-            # interpreter lock more than it copies.
-            with limits.every_cpu() if fill.attr.size > COPY_PIECE_BYTES else nullcontext():
+            with _cpus_for_copy(fill.attr.size):
                 stored = self._store.fill(fill.key, fill.attr,
                                           lambda out: self._copy(fill, out))
         except BaseException as exc:
@@ -469,6 +467,13 @@ class RemoteFiles:
     def fill_processes(self) -> list[int]:
         """The pids of the fill processes running (--fill-processes)."""
         return self._processes.pids if self._processes is not None else []
+
+
+def _cpus_for_copy(size: int) -> AbstractContextManager:
+    """Where a copy of ``size`` bytes runs: one of more than a piece is mostly the kernel's
+    work, on whatever CPU is free (the serving threads may keep to one, service/affinity.py);
+    a smaller one takes turns at the interpreter lock more than it copies."""
+    return limits.every_cpu() if size > COPY_PIECE_BYTES else nullcontext()
 
 
 def _failure(exc: BaseException) -> str:
