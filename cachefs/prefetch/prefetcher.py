@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cachefs import remotewait
+from cachefs import limits, remotewait
 from cachefs.attr import Attr, Version
 from cachefs.errors import CachefsError, NotInTree, RemoteChanged
 from cachefs.metrics import Metrics
@@ -47,7 +47,7 @@ from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.pagecache import uncached_bytes
-from cachefs.remote.remote import CORES, Remote
+from cachefs.remote.remote import Remote
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
 
 log = logging.getLogger(__name__)
@@ -359,7 +359,9 @@ class Prefetcher:
         it, 8 readers, 2 cores (``bench.datapath``, "prefetched"): 2,772 - 3,357 files/s at
         338 - 396 us of daemon CPU per file with 2 workers at once, 1,573 - 1,925 at 644 -
         766 with all 32."""
-        return min(self._concurrency, CORES) if self.remote.opens_fast else self._concurrency
+        if self.remote.opens_fast:
+            return min(self._concurrency, limits.CORES)
+        return self._concurrency
 
     def _work(self) -> None:
         while True:

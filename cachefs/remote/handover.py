@@ -44,7 +44,7 @@ from cachefs.errors import CachefsError, RemoteChanged
 from cachefs.remote.copy import COPY_PIECE_BYTES, CopyWaits, send_checked
 from cachefs.remote.fillprocess import CHANGED, COPIED, DISK, FillProcesses, Outcome
 from cachefs.remote.pagecache import uncached_bytes
-from cachefs.remote.remote import CORES, Remote
+from cachefs.remote.remote import Remote
 from cachefs.store.store import CacheStore, FillPlace
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ OPENS_PER_OPEN_THREAD = 2
 # checksums), and a thread more than the cores only takes turns.  On 2 cores and a local tree
 # as the remote, eight threads cost 740 - 800 us of daemon CPU per fill and two 560 - 590,
 # at 1,500 against 2,300 files/s (8 readers, 6,000 files of 64 KiB).
-CPU_BOUND_FILL_THREADS = min(FILL_THREADS, CORES)
+CPU_BOUND_FILL_THREADS = min(FILL_THREADS, limits.CORES)
 
 
 class Handed(NamedTuple):

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from cachefs import limits, remotewait
+from cachefs import remotewait
 from cachefs.attr import Attr, Version
 from cachefs.errors import RemoteChanged, RemoteUnavailable
 
@@ -48,16 +48,13 @@ LISTED_ATTRS_MAX = 131_072
 # interpreter lock, an open here microseconds (a local tree as the remote, 6,000 files of
 # 64 KiB, 8 readers: with the fills' opens on threads of their own, over 30 waited for them
 # and all 16 ran, a fill at 720 - 800 us of daemon CPU; opened by the fill threads, 480 us).
-# An open's time counts its thread's wait for
-# the interpreter lock, which comes in bursts: the median, not the mean, tells (a local tree
-# as the remote, fills opening their files on 2 cores: half the opens under 20 - 60 us, the
-# slowest over 2 ms).  Until more than half of OPEN_TIMES_WINDOW opens were timed fast, the
-# remote counts as slow.
+# An open's time counts its thread's wait for the interpreter lock, which comes in bursts:
+# the median, not the mean, tells (a local tree as the remote, fills opening their files on
+# 2 cores: half the opens under 20 - 60 us, the slowest over 2 ms).  Until more than half of
+# OPEN_TIMES_WINDOW opens were timed fast, the remote counts as slow.  The threads that may
+# copy or fetch from such a remote at once are limits.CORES at most.
 FAST_OPEN_SECONDS = 0.0003
 OPEN_TIMES_WINDOW = 32
-# The threads that may copy or fetch from such a remote at once, at most: the cores this
-# process may run on (its affinity, its cgroups' CPU quota).
-CORES = limits.CORES
 
 
 class Remote:
