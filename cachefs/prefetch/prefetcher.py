@@ -165,8 +165,9 @@ class Prefetched:
 class Prefetcher:
     """Hint intake and the prefetch workers.
 
-    Thread safety: ``_cond`` guards ``_queue``, ``_active``, ``_unused`` and ``_running``;
-    intake and readers only ever hold it briefly.
+    Thread safety: ``_cond`` guards ``_queue``, ``_active`` and ``_unused``; intake and
+    readers only ever hold it briefly.  ``_active`` holds a path while one worker acts on it
+    (intake joins a path's later hints to it), so its length is the workers at work.
     """
 
     def __init__(self, *, mountpoint: str, store: CacheStore, fetcher: Fetcher, remote: Remote,
@@ -196,7 +197,6 @@ class Prefetcher:
         self._closed = False
         self._next_maintenance = 0.0
         self._concurrency = concurrency
-        self._running = 0  # workers acting on a hint
         metrics.bind_gauge(metrics.prefetch_queued_files, lambda: len(self._queue))
         metrics.bind_gauge(metrics.prefetch_inflight_files, lambda: len(self._active))
         metrics.bind_gauge(metrics.staging_bytes, lambda: staging.used_bytes)
@@ -240,7 +240,7 @@ class Prefetcher:
                 result = "dropped"
             else:
                 self._queue.add(relpath, _Hint(caller, time.monotonic()))
-                if self._running < self._allowed_locked():  # else a worker that ends takes it
+                if len(self._active) < self._allowed_locked():  # else a worker that ends takes it
                     self._cond.notify()
                 return
         self._hints[result].inc()
@@ -366,7 +366,7 @@ class Prefetcher:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while (not self._queue or self._running >= self._allowed_locked()) \
+                while (not self._queue or len(self._active) >= self._allowed_locked()) \
                         and not self._closed:
                     self._cond.wait(MAINTENANCE_INTERVAL_SECONDS)
                     self._maintain_locked()
@@ -378,7 +378,6 @@ class Prefetcher:
                                                     extra_hints=hint.reads - 1)
                 if active is not None:
                     self._active[relpath] = active
-                    self._running += 1
                 self._maintain_locked()
             if active is None:
                 self._hints["dropped"].inc(hint.reads)
@@ -390,7 +389,6 @@ class Prefetcher:
                 log.exception("prefetch of %s failed unexpectedly", relpath)
             finally:
                 with self._cond:
-                    self._running -= 1
                     self._active.pop(relpath, None)
                     late = active.extra_hints - active.staged_for
                     hints = 1 + active.extra_hints
