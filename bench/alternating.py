@@ -21,7 +21,7 @@ from bench.dataset import Dataset
 from bench.driver import ChildLoop, LoopConfig, LoopFailed
 from bench.emulator.remote import EmulatedRemote
 from bench.filerate import read_pass
-from bench.measure import cache_budget, remote_path
+from bench.measure import cache_budget, cache_disk, remote_path
 from bench.mounts import CachefsMount, MountError
 from bench.settings import RunSettings
 
@@ -42,9 +42,11 @@ def measure(dataset: Dataset, remote: EmulatedRemote, settings: RunSettings, run
     work = run_dir / "alternating"
     shutil.rmtree(work, ignore_errors=True)
     try:
-        with CachefsMount(remote_path(remote, dataset), work / "mnt", work / "cache",
-                          cache_size_bytes=cache_budget(1.0, dataset), fraction=1.0,
-                          log_file=settings.out_dir / "logs" / "alternating.log") as mount:
+        budget = cache_budget(1.0, dataset)
+        with cache_disk(work, budget, len(dataset.files)) as disk, \
+                CachefsMount(remote_path(remote, dataset), work / "mnt", disk / "cache",
+                             cache_size_bytes=budget, fraction=1.0,
+                             log_file=settings.out_dir / "logs" / "alternating.log") as mount:
             # One pass fills the cache: from then on every open is a hit.
             read_pass([str(mount.path / name) for name in dataset.files], FILL_THREADS,
                       drop=False, seed=0)

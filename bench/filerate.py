@@ -27,7 +27,7 @@ from bench import counters
 from bench.dataset import Dataset
 from bench.driver import drop_page_cache
 from bench.emulator.remote import EmulatedRemote
-from bench.measure import cache_budget, remote_path
+from bench.measure import cache_budget, cache_disk, remote_path
 from bench.mounts import CachefsMount, MountError
 from bench.settings import RunSettings
 
@@ -88,10 +88,12 @@ def _cachefs_passes(data: Dataset, remote: EmulatedRemote, settings: RunSettings
                     run_dir: Path, extra_args: tuple[str, ...]) -> dict:
     work = run_dir / "filerate"
     shutil.rmtree(work, ignore_errors=True)
-    with CachefsMount(remote_path(remote, data), work / "mnt", work / "cache",
-                      cache_size_bytes=cache_budget(1.0, data), fraction=1.0,
-                      log_file=settings.out_dir / "logs" / "filerate.log",
-                      extra_args=extra_args) as mount:
+    budget = cache_budget(1.0, data)
+    with cache_disk(work, budget, len(data.files)) as disk, \
+            CachefsMount(remote_path(remote, data), work / "mnt", disk / "cache",
+                         cache_size_bytes=budget, fraction=1.0,
+                         log_file=settings.out_dir / "logs" / "filerate.log",
+                         extra_args=extra_args) as mount:
         mnt = [str(mount.path / name) for name in data.files]
         read_pass(mnt, settings.fps_threads, drop=False, seed=0)  # fills the cache
         before = counters.cachefs_snapshot(mount.metrics_text())
