@@ -53,9 +53,9 @@ def cache_disk(work: Path, budget: int, files: int) -> ScratchDisk:
     fresh journaled ext4, as a node's cache disk is (ScratchDisk).  With the caches on this
     machine's root file system (an ext4 without a journal, where each file created scans past
     the inodes deleted in the last minutes, and every variant deleted its cache), a first
-    epoch at f = 1 with hints cost 458 - 578 us of daemon CPU per file, by what the runs
+    epoch at f = 1 with hints cost 458 - 588 us of daemon CPU per file, by what the runs
     before it had deleted, and ran at 1,555 - 1,871 samples/s; on a disk of its own, 355 -
-    360 us and 2,324 - 2,331 (the EFS-like remote, 4,000 files of 64 KiB, in turns)."""
+    372 us and 2,086 - 2,331 (the EFS-like remote, 4,000 files of 64 KiB, 4 rounds in turns)."""
     return ScratchDisk(work, budget + budget // 4 + DISK_OVERHEAD_BYTES,
                        inodes=2 * files + 4096)
 
