@@ -54,7 +54,13 @@ from bench import dataset as dataset_mod
 from bench.driver import ChildLoop, LoopConfig, LoopFailed, drop_page_cache
 from bench.emulator import slowfs
 from bench.emulator.remote import EmulatedRemote
-from bench.measure import BUDGET_OVERHEAD_BYTES, BUDGET_SLACK, allocated_bytes, remote_path
+from bench.measure import (
+    BUDGET_OVERHEAD_BYTES,
+    BUDGET_SLACK,
+    allocated_bytes,
+    cache_disk,
+    remote_path,
+)
 from bench.mounts import CachefsMount, MountError
 from bench.run import clear_leftovers, measure_this_tree, measured
 from bench.settings import BENCH_DIR, ArgumentParser, count_arg, positive_float, positive_int
@@ -291,8 +297,9 @@ def run(settings: ClusterSettings, log: Callable[[str], None] = _log) -> dict:
                         peer_args = ("--peers", ",".join(addresses), "--peer-listen",
                                      addresses[i], "--peer-secret-file", str(secret))
                     work = run_dir / name / f"node{i}"
+                    disk = stack.enter_context(cache_disk(work, budget, len(sizes)))
                     mounts.append(stack.enter_context(CachefsMount(
-                        backing, work / "mnt", work / "cache", cache_size_bytes=budget,
+                        backing, work / "mnt", disk / "cache", cache_size_bytes=budget,
                         fraction=fraction, log_file=logs / f"{name}-node{i}.log",
                         extra_args=peer_args)))
                 groups[name] = Group(name, mounts, [])

@@ -220,3 +220,30 @@ def test_a_speed_up_above_the_remotes_ceiling_is_said_to_be() -> None:
     results["variants"][1]["epochs"][0]["samples_per_second"] = 500  # 3x is 1,500: below it
     direct = _speedup_verdicts(results)[0]
     assert direct["met"] is True and "ceiling" not in direct["measured"]
+
+
+@pytest.mark.timeout(60)
+def test_what_a_killed_run_left_mounted_is_cleared_by_the_next(tmp_path: Path) -> None:
+    from bench.emulator import slowfs
+    from bench.mounts import ScratchDisk
+    from bench.run import clear_leftovers
+
+    # A run killed with SIGKILL leaves its variant's cache disk mounted, a file in it; its
+    # directory is named by its pid, which no process has now.
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read()) - 1
+    runs = tmp_path / "run"
+    disk = ScratchDisk(runs / str(dead) / "cachefs-f1", 64 << 20)
+    try:
+        cache = disk.__enter__()
+        (cache / "cache").mkdir()
+        (cache / "cache" / "data").write_bytes(b"x" * 4096)
+        mine = runs / str(os.getpid())  # a run still going is left alone
+        mine.mkdir()
+        clear_leftovers(runs)
+        assert not slowfs.is_mounted(cache)
+        assert not (runs / str(dead)).exists()
+        assert mine.is_dir()
+    finally:
+        if slowfs.is_mounted(disk.path):
+            subprocess.run(["umount", "-l", str(disk.path)], capture_output=True)
