@@ -23,7 +23,19 @@ import threading
 import time
 from collections.abc import Callable
 
-_hooks = threading.local()
+
+class _Hooks(threading.local):
+    """The calling thread's hooks; None on a thread that set none (a fill, a prefetch): the
+    class's defaults, so that asking costs no failed lookup (an AttributeError caught
+    inside getattr, three per call on the remote)."""
+
+    begin: Callable[[], None] | None = None
+    end: Callable[[], None] | None = None
+    expire: Callable[[object], None] | None = None
+    token: object = None
+
+
+_hooks = _Hooks()
 # How often the watchdog looks for waits past their deadline: a wait is answered at most
 # this much after its timeout.
 POLL_SECONDS = 0.25
@@ -62,13 +74,11 @@ class waiting:  # noqa: N801 - used as a function: ``with waiting():``
 
     def __enter__(self) -> None:
         hooks = _hooks
-        begin = self._begin = getattr(hooks, "begin", None)
+        begin = self._begin = hooks.begin
         watchdog = self._watchdog = _watchdog
         self._watch = None
         if watchdog is not None:
-            self._watch = watchdog.watch(getattr(hooks, "expire", None),
-                                         getattr(hooks, "token", None),
-                                         counted=self._remote_call)
+            self._watch = watchdog.watch(hooks.expire, hooks.token, counted=self._remote_call)
         if begin is not None:
             begin()
 

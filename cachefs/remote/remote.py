@@ -74,6 +74,7 @@ class Remote:
         on_availability: Callable[[bool], None] = lambda up: None,
     ) -> None:
         self.root = root
+        self._prefix = root if root.endswith("/") else root + "/"
         self.timeout_seconds = timeout_seconds
         self._on_read_bytes = on_read_bytes
         self._on_error = on_error
@@ -92,7 +93,9 @@ class Remote:
         remotewait.install(None)
 
     def path(self, relpath: str) -> str:
-        return os.path.join(self.root, relpath) if relpath else self.root
+        # Joined by hand, not os.path.join (a call on every remote call): a relative path
+        # never names anything outside the root, even one that begins with a slash.
+        return self._prefix + relpath if relpath else self.root
 
     @property
     def available(self) -> bool:
