@@ -279,6 +279,19 @@ def disk_usage(path: Path) -> int:
     return total
 
 
+def files_written(cache_dir: Path) -> int:
+    """The files of a cache dir's tmp/ and data/: its cached files' data files (one each, for
+    files of one chunk), and the copies of fills under way (a fill writes a file's data file
+    in place, a fill process under tmp/)."""
+    return sum(len(files) for directory in ("tmp", "data")
+               for _, _, files in os.walk(cache_dir / directory))
+
+
+def fill_under_way(mount) -> bool:
+    """Whether a fill is writing a copy: more files written than the cache holds."""
+    return files_written(mount.cache_dir) > mount.status()["cache_files"]
+
+
 # -- helpers for fault, security and load tests ----------------------------------------------
 
 def wait_for(predicate, timeout: float = 15.0, interval: float = 0.1, what: str = "condition"):

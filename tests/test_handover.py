@@ -27,7 +27,7 @@ from cachefs.attr import Version
 from cachefs.store.index import FLUSH_SECONDS, data_key
 from cachefs.store.layout import CacheLayout
 from cachefs.store.store import CHUNK_BYTES
-from tests.conftest import read_bounded, run_cachefs, wait_for
+from tests.conftest import files_written, fill_under_way, read_bounded, run_cachefs, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -417,13 +417,13 @@ def test_a_file_hinted_for_two_reads_while_queued_is_staged_for_the_second(
 
 def _reading_during_a_slow_fill(mount, remote, rel: str, mbps: float):
     """``rel`` open through the mount and its first 4 KiB read, the remote slowed to ``mbps``
-    MB/s so that the fill this open started is still copying (under tmp/) on return: the
-    open file and the bytes read."""
+    MB/s so that the fill this open started is still copying on return: the open file and
+    the bytes read."""
     remote.configure(bandwidth_mbps=mbps)
     f = open(mount.path / rel, "rb", buffering=0)  # noqa: SIM115 - the caller's to close
     try:
         head = f.read(4096)
-        wait_for(lambda: os.listdir(mount.cache_dir / "tmp"), what="the fill under way")
+        wait_for(lambda: fill_under_way(mount), what="the fill under way")
     except BaseException:
         f.close()
         raise
@@ -500,7 +500,7 @@ def test_a_remote_rewritten_during_a_fill_is_never_cached(source, remote, mount_
     mount.settle()
     assert mount.metric("cachefs_fills_total", result="changed") == 1
     assert mount.status()["cache_files"] == 0
-    assert not os.listdir(mount.cache_dir / "tmp")
+    assert files_written(mount.cache_dir) == 0
     time.sleep(2.2)  # past the interval: the new version is read, and filled, whole
     assert _whole(mount.path / "shard.bin") == new
     mount.settle()
@@ -526,7 +526,7 @@ def test_kill_9_during_a_fill_leaves_nothing_indexed(source, remote, mount_cache
     reader = os.open(mount.path / "shard.bin", os.O_RDONLY)
     try:
         assert os.pread(reader, 4096, 0) == data[:4096]
-        wait_for(lambda: os.listdir(mount.cache_dir / "tmp"), what="the fill under way")
+        wait_for(lambda: fill_under_way(mount), what="the fill under way")
         mount.kill()  # the supervisor too: the whole service is gone
     finally:
         os.close(reader)
@@ -535,7 +535,7 @@ def test_kill_9_during_a_fill_leaves_nothing_indexed(source, remote, mount_cache
     status = wait_for(lambda: (st := mount.status())["reconciling"] is False and st,
                       what="the cache reconciled")
     assert status["cache_files"] == 1  # small.bin; nothing of the shard
-    assert not os.listdir(mount.cache_dir / "tmp")
+    assert files_written(mount.cache_dir) == 1
     assert _whole(mount.path / "shard.bin") == data
     assert _whole(mount.path / "small.bin") == b"small and whole\n"
     mount.settle()
@@ -570,6 +570,7 @@ def test_fill_processes_store_what_the_readers_read(source, remote, mount_cachef
     assert mount.metric("cachefs_fills_total", result="stored") == len(files)
     assert mount.status()["cache_files"] == len(files)
     assert not os.listdir(mount.cache_dir / "tmp")
+    assert files_written(mount.cache_dir) == len(files)
     total = sum(map(len, files.values()))
     assert total <= remote.stats()["read_bytes"] - read_before < 1.5 * total
     for rel, data in files.items():
@@ -595,7 +596,7 @@ def _kill_the_fill_process_mid_copy(mount, remote, data: bytes) -> int:
         assert data[4096:] == reader.read()
     mount.settle()
     assert mount.metric("cachefs_fills_total", result="failed") == 1
-    wait_for(lambda: not os.listdir(mount.cache_dir / "tmp"), what="the copy removed")
+    wait_for(lambda: not fill_under_way(mount), what="the copy removed")
     return victim
 
 
@@ -665,7 +666,7 @@ def test_a_fill_process_stuck_on_a_hung_remote_is_killed_after_the_timeout(sourc
         assert mount.metric("cachefs_remote_available") == 0
         assert mount.metric("cachefs_remote_errors_total", kind="timeout") >= 1
         assert mount.status()["fills"]["under_way"] == 0
-        assert not os.listdir(mount.cache_dir / "tmp")
+        assert files_written(mount.cache_dir) == 0
         assert mount.status()["cache_files"] == 0
     finally:
         remote.clear_faults()

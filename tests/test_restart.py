@@ -32,6 +32,8 @@ from cachefs.service.process import alive, wait_gone
 from tests.conftest import (
     REPO,
     CachefsMount,
+    files_written,
+    fill_under_way,
     make_files,
     run_cachefs,
     shuffled_read_all,
@@ -323,7 +325,7 @@ def test_kill_9_during_a_fill_serves_nothing_wrong_and_indexes_nothing_partial(
     try:
         assert os.pread(reader, 4096, 0) == data[:4096]
         if mount.hands_over_remote:  # the kernel reads the remote: its fill runs beside it
-            wait_for(lambda: os.listdir(mount.cache_dir / "tmp"), what="the fill under way")
+            wait_for(lambda: fill_under_way(mount), what="the fill under way")
         _kill_serving(mount)
         remote.configure(bandwidth_mbps=0)
         # The open file reads on, across the restart, with the remote's bytes.
@@ -333,7 +335,7 @@ def test_kill_9_during_a_fill_serves_nothing_wrong_and_indexes_nothing_partial(
     status = wait_for(lambda: (st := mount.status())["reconciling"] is False and st,
                       what="the cache reconciled")
     assert status["cache_files"] == 1  # small.bin; nothing of the shard
-    assert not os.listdir(mount.cache_dir / "tmp")
+    assert files_written(mount.cache_dir) == 1
     assert (mount.path / "shard.bin").read_bytes() == data
     mount.settle()
     assert mount.status()["cache_files"] == 2

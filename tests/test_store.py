@@ -24,7 +24,7 @@ from cachefs.sizes import parse_size
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.index import data_key
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
-from tests.conftest import disk_usage
+from tests.conftest import disk_usage, files_written
 
 pytestmark = pytest.mark.fast
 
@@ -344,6 +344,7 @@ def test_a_fill_from_a_descriptor_is_checked_and_indexed_whole(open_store, tmp_p
     os.close(fd)
     assert store.check(fix=False, verify_data=True).problems == 0
     assert not os.listdir(tmp_path / "cache" / "tmp")
+    assert files_written(tmp_path / "cache") == 1  # written in place, nothing else
 
 
 def test_a_fill_that_fails_or_changes_leaves_nothing(open_store, tmp_path):
@@ -357,13 +358,75 @@ def test_a_fill_that_fails_or_changes_leaves_nothing(open_store, tmp_path):
     with pytest.raises(RemoteChanged):
         store.fill(b"torn.bin", attr_of(20), torn)
     assert store.lookup(b"torn.bin") is None
-    assert not os.listdir(tmp_path / "cache" / "tmp")
+    assert files_written(tmp_path / "cache") == 0
     assert store.used_bytes == used and store.admitting
 
     # A copy shorter than the file's size is never indexed either.
     with pytest.raises(CacheCorrupt, match="wrote 3 bytes"):
         store.fill(b"short.bin", attr_of(20), lambda out: os.write(out, b"abc"))
     assert store.lookup(b"short.bin") is None
+
+
+def test_a_fill_cut_short_by_a_clean_stop_leaves_no_file_behind(open_store, tmp_path):
+    """A fill writes its data file in place; the store closing meanwhile removes it, so the
+    account the clean stop leaves (trusted by the next start, which scans nothing) holds
+    every file on the disk."""
+    data = os.urandom(50_000)
+    store = open_store()
+    assert store.fill(b"kept.bin", attr_of(len(data)), _bytes_copy(data))
+
+    def closed_midway(out: int) -> None:
+        os.write(out, data[:1000])
+        store.close()
+        os.write(out, data[1000:])
+
+    assert not store.fill(b"cut.bin", attr_of(len(data)), closed_midway)
+    again = open_store()
+    assert again.startup_report.files == again.complete_files == 1
+    assert files_written(tmp_path / "cache") == 1
+    assert read_file(again, "kept.bin") == data and again.lookup(b"cut.bin") is None
+    assert again.check(fix=False, verify_data=True).problems == 0
+
+
+def test_a_fill_finds_a_file_left_at_its_name_and_replaces_it(open_store, tmp_path):
+    """A file at the data file's name that no record names (left by a crash before the
+    reconciliation, say): the fill writes beside it and renames its copy over it."""
+    data = os.urandom(30_000)
+    store = open_store()
+    key, attr = b"d/left.bin", attr_of(len(data))
+    stale = store.layout.data_path(data_key(key, attr.version))
+    os.makedirs(os.path.dirname(stale), exist_ok=True)
+    with open(stale, "wb") as f:
+        f.write(b"half of an earlier copy")
+    assert store.fill(key, attr, _bytes_copy(data))
+    assert read_file(store, "d/left.bin") == data
+    assert files_written(tmp_path / "cache") == 1
+    assert store.check(fix=False, verify_data=True).problems == 0
+
+
+def test_a_fill_indexed_meanwhile_by_another_writer_keeps_the_others_copy(open_store,
+                                                                            tmp_path):
+    """A file stored by another writer while a fill writes it in place (the peer server's
+    fetcher, through a temporary file renamed over the fill's): the other's copy and record
+    stay, the fill's goes, and the bytes read are the file's."""
+    data = os.urandom(30_000)
+    store = open_store()
+
+    def raced(out: int) -> None:
+        os.write(out, data)
+        assert put_file(store, "d/raced.bin", data)
+
+    assert store.fill(b"d/raced.bin", attr_of(len(data)), raced)
+    assert read_file(store, "d/raced.bin") == data
+    assert store.complete_files == 1
+    assert files_written(tmp_path / "cache") == 1
+    assert store.check(fix=False, verify_data=True).problems == 0
+
+
+def _bytes_copy(data: bytes):
+    def copy(out: int) -> None:
+        os.write(out, data)
+    return copy
 
 
 def test_a_fill_replaces_chunks_and_older_versions(open_store, tmp_path):

@@ -50,6 +50,7 @@ from cachefs import limits
 from cachefs.attr import Version
 from cachefs.errors import CacheCorrupt, CacheUnavailable, RemoteChanged
 from cachefs.remote.copy import CopyWaits, send_checked
+from cachefs.store.layout import allocated_bytes
 from cachefs.store.store import copy_and_hash
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,10 @@ def fill_one(src: int, tmp: str, version: Version) -> Outcome:
         return Outcome(DISK, exc.errno or errno.EIO, f"creating the copy: {exc.strerror}")
     whole = False
     try:
-        checksums, allocated = copy_and_hash(
+        checksums, written = copy_and_hash(
             out, version.size, lambda fd: send_checked(src, fd, version))
         whole = True
-        return Outcome(COPIED, checksums=checksums, allocated=allocated)
+        return Outcome(COPIED, checksums=checksums, allocated=allocated_bytes(written))
     except RemoteChanged as exc:
         return Outcome(CHANGED, message=str(exc))
     except CacheUnavailable as exc:

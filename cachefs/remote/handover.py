@@ -9,8 +9,7 @@ NFS client.  A file the cache keeps is copied into the cache beside the reader, 
 kernel too: ``sendfile`` from the remote file, opened by the fill, so that a page the reader
 pulled and a page the copy pulled are fetched from the server once and shared through the
 remote file's page cache (one inode, whoever opened it).  The store then computes the
-checksums of the copy, checks the version again, renames it into place and indexes it
-(store.py ``fill``).
+checksums of the copy, checks the version again and indexes it (store.py ``fill``).
 
 Fills run on threads of their own, never on a reader's: a reader never waits for a copy.
 With ``--fill-processes`` a reader's fill is copied and hashed by a process of its own

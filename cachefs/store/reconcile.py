@@ -6,17 +6,17 @@ its data files take, how many files are whole) and of the keys its index holds
 takes both and scans nothing: it costs the same with ten files cached or ten million.
 
 After a **crash** (kill -9, the OOM killer, a power cut) there is no such record, and the index
-and the disk may disagree: a fill renamed into place whose record was not committed yet
-(records are committed in groups), a record whose data file never reached the disk.  The mount
-serves at once; :func:`reconcile` runs in the background, admission paused meanwhile (the
+and the disk may disagree: a fill in place whose record was not committed yet (records are
+committed in groups) or that was cut short, a record whose data file never reached the disk.
+The mount serves at once; :func:`reconcile` runs in the background, admission paused meanwhile (the
 account is not known), and every cached file is verified against its checksums before it is
 handed over until the scrub (scrub.py) has been over it.  It streams: a million records cost
 some 16 MiB of arrays, not a set of a million names.
 
 ``cachefs verify`` runs :func:`reconcile` with every checksum read.
 
-INVARIANT: every data file belongs to a file record, and every record with stored chunks has
-its data file.
+INVARIANT: every data file belongs to a file record (but one a fill is writing, in place,
+until it is indexed), and every record with stored chunks has its data file.
 INVARIANT: a file record's stored_chunks equals its chunk records (one for a single-chunk file).
 INVARIANT: used bytes (data + index + directories) <= capacity.
 INVARIANT (verify_data): every stored chunk matches its checksum.

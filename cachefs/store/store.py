@@ -49,7 +49,13 @@ from cachefs.attr import Attr, Version
 from cachefs.errors import CacheCorrupt, CacheUnavailable
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.index import CacheIndex, ChunkRecord, FileRecord, chunk_key, data_key, split_key
-from cachefs.store.layout import BLOCK_BYTES, CacheLayout, NewFile, allocated_bytes
+from cachefs.store.layout import (
+    BLOCK_BYTES,
+    CacheLayout,
+    NewFile,
+    allocated_bytes,
+    unlink_quietly,
+)
 from cachefs.store.presence import KeyFilter
 from cachefs.store.reconcile import (
     Account,
@@ -133,17 +139,18 @@ def checksums_of(fd: int, size: int) -> tuple[int, ...]:
     return tuple(checksums)
 
 
-def copy_and_hash(fd: int, size: int, copy: Callable[[int], None]) -> tuple[tuple[int, ...], int]:
+def copy_and_hash(fd: int, size: int, copy: Callable[[int], None]
+                  ) -> tuple[tuple[int, ...], os.stat_result]:
     """Have ``copy(fd)`` write a file of ``size`` bytes into the new file ``fd``, then hash it
-    as written: (its chunks' checksums, the bytes it takes on the disk).  The one step of a
-    fill, on a thread of the daemon (CacheStore.fill) or in a fill process (fillprocess.py);
-    what ``copy`` raises is raised, and a copy of another length is CacheCorrupt (the
-    copier's fault, not the disk's)."""
+    as written: (its chunks' checksums, its stat once written).  The one step of a fill, on
+    a thread of the daemon (CacheStore.fill) or in a fill process (fillprocess.py); what
+    ``copy`` raises is raised, and a copy of another length is CacheCorrupt (the copier's
+    fault, not the disk's)."""
     copy(fd)
     st = os.fstat(fd)
     if st.st_size != size:
         raise CacheCorrupt(f"the copy wrote {st.st_size} bytes, not {size}")
-    return checksums_of(fd, size), allocated_bytes(st)
+    return checksums_of(fd, size), st
 
 
 def _key_hash(key: bytes) -> int:
@@ -174,10 +181,10 @@ class CacheStore:
     Thread safety: reading chunks takes no lock (records are immutable values, a file of
     one chunk is replaced atomically, and chunks of a larger file are checked against their
     checksums).  ``_lock`` guards the space account (``_data_bytes``, ``_reserved_bytes``,
-    ``_fan_bytes``, ``_fan_total``, ``_index_bytes``), ``_complete_files`` and every
-    read-modify-write of a file record.  ``_verified`` is a set changed by single operations,
-    ``_trusted`` a flag set once; ``_fan_writes`` counts without a lock (a lost count only
-    moves when a directory is measured next).
+    ``_fan_bytes``, ``_fan_total``, ``_index_bytes``), ``_complete_files``, ``_writing``,
+    ``_closing`` and every read-modify-write of a file record.  ``_verified`` is a set
+    changed by single operations, ``_trusted`` a flag set once; ``_fan_writes`` counts
+    without a lock (a lost count only moves when a directory is measured next).
     """
 
     def __init__(
@@ -224,6 +231,9 @@ class CacheStore:
         self._reconciler: threading.Thread | None = None
         self._reconciling = False  # admission paused until the account is known
         self._closing = False
+        # Data files being written in place by fills (their paths): whoever takes a path
+        # out (the fill, to index or discard it; close, to remove it) sees to its file.
+        self._writing: set[str] = set()
         self.ready = threading.Event()  # set once the account is known (reconciled)
         self.startup_report = CheckReport()
 
@@ -353,7 +363,11 @@ class CacheStore:
         self._verified = set()
 
     def close(self) -> None:
-        self._closing = True
+        with self._lock:
+            self._closing = True
+            unfinished, self._writing = self._writing, set()
+        for path in unfinished:  # fills cut short: no record will name them
+            unlink_quietly(path)
         self.ready.set()  # a scrub waiting for it goes
         if self._reconciler is not None:
             self._reconciler.join()  # it stops at its next batch
@@ -648,8 +662,9 @@ class CacheStore:
         """Store the whole file at ``key`` (version ``attr``), its bytes written by
         ``copy(fd)`` into a new file: the kernel's copy of the remote's own file (sendfile),
         no byte of it through Python.  The checksums are then computed from the written
-        file, and only then is it renamed into place and indexed, so a fill that fails or is
-        cut short (a crash) leaves nothing indexed.
+        file, and only then is it indexed, so a fill that fails or is cut short (a crash)
+        leaves nothing indexed.  The first fill of a file writes its data file in place
+        (:meth:`_new_fill`); any other writes a temporary file renamed into place.
 
         Returns False, storing nothing, when the file is not eligible, does not fit or the
         disk refuses writes (admission pauses).  What ``copy`` raises otherwise (the remote
@@ -660,42 +675,99 @@ class CacheStore:
             return False
         try:
             try:
-                new = self.layout.create_tmp(data_key(key, attr.version))
+                new = self._new_fill(key, attr)
             except OSError as exc:
                 self._pause_admission(exc)
                 return False
+            if new is None:  # the store is closing
+                return False
             try:  # the remote's errors, and a copy of another length, go to the caller
-                checksums, allocated = copy_and_hash(new.fd, attr.size, copy)
+                checksums, written = copy_and_hash(new.fd, attr.size, copy)
             except CacheUnavailable as exc:  # the copy met the cache disk's refusal
-                self.layout.discard(new)
+                self._discard(new)
                 self._pause_admission(exc.__cause__ or OSError(errno.EIO, str(exc)))
                 return False
             except BaseException:
-                self.layout.discard(new)
+                self._discard(new)
                 raise
             finally:
                 os.close(new.fd)
-            return self._install_fill(key, attr, new, checksums, allocated)
+            return self._install_fill(key, attr, new, checksums, allocated_bytes(written),
+                                      written)
         finally:
             self._unreserve(need)
 
+    def _new_fill(self, key: bytes, attr: Attr) -> NewFile | None:
+        """The file a fill writes: the data file itself when nothing of this file is
+        indexed and no file has its name (a first fill, nearly every one), claimed in
+        ``_writing`` while it is written; otherwise a temporary file.  None when the store
+        is closing."""
+        dkey = data_key(key, attr.version)
+        if self.index.get_file(key) is not None:  # another version, or chunks: replaced
+            return self.layout.create_tmp(dkey)
+        final = self.layout.data_path(dkey)
+        with self._lock:
+            if self._closing:
+                return None
+            claimed = final not in self._writing
+            if claimed:
+                self._writing.add(final)
+        if not claimed:  # another writer's (not a fill's: those are one per version)
+            return self.layout.create_tmp(dkey)
+        try:
+            new = self.layout.create_in_place(dkey)
+        except BaseException:
+            self._unclaim(final)
+            raise
+        if new is None:  # an orphan of a crash, say: replaced by a rename as ever
+            self._unclaim(final)
+            return self.layout.create_tmp(dkey)
+        with self._lock:
+            kept = new.final in self._writing
+        if not kept:  # close() took the path (finding no file yet): ours goes
+            os.close(new.fd)
+            unlink_quietly(new.final)
+            return None
+        return new
+
+    def _unclaim(self, final: str) -> bool:
+        """Take a path out of ``_writing``: whether it was still there (the caller sees to
+        its file then; close() took it otherwise)."""
+        with self._lock:
+            return self._unclaim_locked(final)
+
+    def _unclaim_locked(self, final: str) -> bool:
+        if final in self._writing:
+            self._writing.discard(final)
+            return True
+        return False
+
+    def _discard(self, new: NewFile) -> None:
+        """Remove a fill's file that will not be indexed (one written in place only while
+        it is still this fill's)."""
+        if not new.in_place or self._unclaim(new.final):
+            self.layout.discard(new)
+
     def _install_fill(self, key: bytes, attr: Attr, new: NewFile, checksums: Sequence[int],
-                      allocated: int) -> bool:
+                      allocated: int, written: os.stat_result | None = None) -> bool:
         """:meth:`_install_whole`; False, the new file discarded and admission paused, when
         the cache disk or the index refuses it."""
         try:
-            return self._install_whole(key, attr, new, checksums, allocated)
+            return self._install_whole(key, attr, new, checksums, allocated, written)
         except (OSError, sqlite3.Error) as exc:
-            self.layout.discard(new)
+            self._discard(new)
             self._pause_admission(exc)
             return False
 
     def _install_whole(self, key: bytes, attr: Attr, new: NewFile, checksums: Sequence[int],
-                       allocated: int) -> bool:
-        """Rename a filled file into place and index it whole, replacing any other version
-        or partial fill of it; True when the file is now cached.  The rename and the stats
-        happen outside the lock: fills of other files go on meanwhile (one fill per file
-        version at a time is the caller's to see to)."""
+                       allocated: int, written: os.stat_result | None = None) -> bool:
+        """Put a filled file in place and index it whole, replacing any other version or
+        partial fill of it; True when the file is now cached.  A file written in place is
+        indexed as it is (``written``: its stat once written); a temporary file is renamed
+        into place, the rename and the stats outside the lock: fills of other files go on
+        meanwhile (one fill per file version at a time is the caller's to see to)."""
+        if new.in_place:
+            return self._index_in_place(key, attr, new, checksums, allocated, written)
         replaced = None
         with self._lock:
             record = self.index.get_file(key)
@@ -709,28 +781,69 @@ class CacheStore:
                     replaced = record
         self.layout.install(new)
         # The bytes were hashed as they lie on the disk: checked for the first hand-over.
-        checked = _checked_as(os.stat(new.final))
-        fan = new.fan
-        fan_bytes = self._fan_bytes_after_a_write(fan)
-        single = len(checksums) == 1
-        with self._lock:
-            if not single:
-                for number, checksum in enumerate(checksums):
-                    self.index.put_chunk(chunk_key(key, number),
-                                         ChunkRecord(checksum, chunk_span(attr.size, number)[1]))
-            self.index.put_file(key, FileRecord(attr, len(checksums),
-                                                checksums[0] if single else 0, checked))
-            self._complete_files += 1
-            self._data_bytes += allocated
-            if not self._trusted:
-                self._verified.add(_key_hash(key))
-            if fan_bytes is not None:
-                self._set_fan_bytes_locked(fan, fan_bytes)
-            self._measure_index_locked()
+        self._index_filled(key, attr, new, checksums, allocated, os.stat(new.final))
         if replaced is not None:
             self.on_dropped(key, replaced.version)
-        self._wrote()
         return True
+
+    def _index_in_place(self, key: bytes, attr: Attr, new: NewFile, checksums: Sequence[int],
+                        allocated: int, written: os.stat_result) -> bool:
+        """Index a file a fill wrote at its own name, unless its name was let go meanwhile:
+        the store closed (close() removed the file), or another writer (the peer server's,
+        say, through a temporary file) indexed the file first, whose copy is kept."""
+        fan_bytes = self._fan_bytes_after_a_write(new.fan)
+        with self._lock:
+            if new.final not in self._writing:
+                return False
+            # The claim goes once indexed: what raises before leaves the file to _discard.
+            record = self.index.get_file(key)
+            if record is None:
+                self._index_filled_locked(key, attr, new, checksums, allocated, written,
+                                          fan_bytes)
+            self._writing.discard(new.final)
+        if record is None:
+            self._wrote()
+            return True
+        # Indexed meanwhile by another writer (the peer server's fetcher, say): its file is
+        # kept where a rename put it over ours; where the name is still ours, no record
+        # accounts for it (a record of chunks written into it finds it gone, and fetches
+        # them again).
+        try:
+            ours = os.stat(new.final).st_ino == written.st_ino
+        except FileNotFoundError:
+            ours = False
+        if ours:
+            unlink_quietly(new.final)
+            return False
+        return record.version == attr.version and self.is_complete(record)
+
+    def _index_filled(self, key: bytes, attr: Attr, new: NewFile, checksums: Sequence[int],
+                      allocated: int, st: os.stat_result) -> None:
+        fan_bytes = self._fan_bytes_after_a_write(new.fan)
+        with self._lock:
+            self._index_filled_locked(key, attr, new, checksums, allocated, st, fan_bytes)
+        self._wrote()
+
+    def _index_filled_locked(self, key: bytes, attr: Attr, new: NewFile,
+                             checksums: Sequence[int], allocated: int, st: os.stat_result,
+                             fan_bytes: int | None) -> None:
+        """Record a whole file in place (its data file's stat ``st``; its fan-out
+        directory's bytes, when measured): hashed as it lies on the disk, it is checked for
+        its first hand-over."""
+        single = len(checksums) == 1
+        if not single:
+            for number, checksum in enumerate(checksums):
+                self.index.put_chunk(chunk_key(key, number),
+                                     ChunkRecord(checksum, chunk_span(attr.size, number)[1]))
+        self.index.put_file(key, FileRecord(attr, len(checksums),
+                                            checksums[0] if single else 0, _checked_as(st)))
+        self._complete_files += 1
+        self._data_bytes += allocated
+        if not self._trusted:
+            self._verified.add(_key_hash(key))
+        if fan_bytes is not None:
+            self._set_fan_bytes_locked(new.fan, fan_bytes)
+        self._measure_index_locked()
 
     # -- fills written by another process (remote/fillprocess.py) ----------------------------
 
