@@ -404,23 +404,24 @@ def test_a_fill_finds_a_file_left_at_its_name_and_replaces_it(open_store, tmp_pa
     assert store.check(fix=False, verify_data=True).problems == 0
 
 
-def test_a_fill_indexed_meanwhile_by_another_writer_keeps_the_others_copy(open_store,
-                                                                            tmp_path):
-    """A file stored by another writer while a fill writes it in place (the peer server's
-    fetcher, through a temporary file renamed over the fill's): the other's copy and record
-    stay, the fill's goes, and the bytes read are the file's."""
-    data = os.urandom(30_000)
+@pytest.mark.parametrize("size", [30_000, 2 * CHUNK_BYTES + 5])
+def test_no_chunk_is_written_beside_a_fill_of_the_same_file(open_store, tmp_path, size):
+    """A chunk of a file that a fill is writing in place (fetched meanwhile by a reader the
+    daemon serves, or by the peer server) is not stored: the fill's copy is the file's, and
+    nothing else writes at its name while it is written."""
+    data = os.urandom(size)
     store = open_store()
 
     def raced(out: int) -> None:
         os.write(out, data)
-        assert put_file(store, "d/raced.bin", data)
+        assert not put_file(store, "d/raced.bin", data)
 
-    assert store.fill(b"d/raced.bin", attr_of(len(data)), raced)
+    assert store.fill(b"d/raced.bin", attr_of(size), raced)
     assert read_file(store, "d/raced.bin") == data
     assert store.complete_files == 1
     assert files_written(tmp_path / "cache") == 1
     assert store.check(fix=False, verify_data=True).problems == 0
+    assert put_file(store, "d/other.bin", data)  # once no fill writes it, a chunk is stored
 
 
 def _bytes_copy(data: bytes):

@@ -231,8 +231,9 @@ class CacheStore:
         self._reconciler: threading.Thread | None = None
         self._reconciling = False  # admission paused until the account is known
         self._closing = False
-        # Data files being written in place by fills (their paths): whoever takes a path
-        # out (the fill, to index or discard it; close, to remove it) sees to its file.
+        # Data files being written (their paths): in place by a fill, or a chunk of one (a
+        # whole file's one chunk under tmp/, renamed over it).  Whoever takes a path out
+        # (the writer, to index or discard it; close, to remove it) sees to its file.
         self._writing: set[str] = set()
         self.ready = threading.Event()  # set once the account is known (reconciled)
         self.startup_report = CheckReport()
@@ -788,9 +789,10 @@ class CacheStore:
 
     def _index_in_place(self, key: bytes, attr: Attr, new: NewFile, checksums: Sequence[int],
                         allocated: int, written: os.stat_result) -> bool:
-        """Index a file a fill wrote at its own name, unless its name was let go meanwhile:
-        the store closed (close() removed the file), or another writer (the peer server's,
-        say, through a temporary file) indexed the file first, whose copy is kept."""
+        """Index a file a fill wrote at its own name, unless the store closed meanwhile
+        (close() removed the file) or a record of the file came meanwhile: another version,
+        stored by a reader the daemon serves after the remote changed (nothing else writes
+        at a name claimed), which is kept."""
         fan_bytes = self._fan_bytes_after_a_write(new.fan)
         with self._lock:
             if new.final not in self._writing:
@@ -804,18 +806,8 @@ class CacheStore:
         if record is None:
             self._wrote()
             return True
-        # Indexed meanwhile by another writer (the peer server's fetcher, say): its file is
-        # kept where a rename put it over ours; where the name is still ours, no record
-        # accounts for it (a record of chunks written into it finds it gone, and fetches
-        # them again).
-        try:
-            ours = os.stat(new.final).st_ino == written.st_ino
-        except FileNotFoundError:
-            ours = False
-        if ours:
-            unlink_quietly(new.final)
-            return False
-        return record.version == attr.version and self.is_complete(record)
+        unlink_quietly(new.final)  # no record names it
+        return False
 
     def _index_filled(self, key: bytes, attr: Attr, new: NewFile, checksums: Sequence[int],
                       allocated: int, st: os.stat_result) -> None:
@@ -922,10 +914,22 @@ class CacheStore:
         checksum = _checksum(data)
         single = chunk_count(attr.size) == 1
         dkey = data_key(key, attr.version)
-        if single:
-            allocated = self.layout.write_whole(dkey, data)
-        else:
-            allocated = self.layout.write_at(dkey, number * CHUNK_BYTES, data)
+        # Never beside a fill writing the same file in place, nor it beside this: the name
+        # is claimed while the chunk is written (a whole file's copy renamed over it).
+        final = self.layout.data_path(dkey)
+        with self._lock:
+            claimed = not self._closing and final not in self._writing
+            if claimed:
+                self._writing.add(final)
+        if not claimed:
+            return False
+        try:
+            if single:
+                allocated = self.layout.write_whole(dkey, data)
+            else:
+                allocated = self.layout.write_at(dkey, number * CHUNK_BYTES, data)
+        finally:
+            self._unclaim(final)
         fan, fan_bytes = self.layout.fan_dir_bytes_of(dkey)
         replaced = None
         with self._lock:
