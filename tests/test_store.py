@@ -424,6 +424,27 @@ def test_no_chunk_is_written_beside_a_fill_of_the_same_file(open_store, tmp_path
     assert put_file(store, "d/other.bin", data)  # once no fill writes it, a chunk is stored
 
 
+def test_a_clean_stop_during_a_chunk_write_keeps_the_file_its_records_name(open_store,
+                                                                             monkeypatch):
+    """A chunk write claims its data file's name too, but a clean stop meanwhile removes
+    only fills' files: the chunks stored before it are still read after the restart."""
+    data = os.urandom(2 * CHUNK_BYTES + 5)
+    store = open_store()
+    key, attr = b"d/large.bin", attr_of(len(data))
+    assert store.store_chunk(key, attr, 0, data[:CHUNK_BYTES])
+    write_at = store.layout.write_at
+
+    def closing_first(*args):
+        store.close()
+        return write_at(*args)
+
+    monkeypatch.setattr(store.layout, "write_at", closing_first)
+    store.store_chunk(key, attr, 1, data[CHUNK_BYTES:2 * CHUNK_BYTES])
+    again = open_store()
+    record = again.lookup(key)
+    assert again.read_chunk(key, record, 0) == data[:CHUNK_BYTES]
+
+
 def _bytes_copy(data: bytes):
     def copy(out: int) -> None:
         os.write(out, data)

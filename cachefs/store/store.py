@@ -231,10 +231,11 @@ class CacheStore:
         self._reconciler: threading.Thread | None = None
         self._reconciling = False  # admission paused until the account is known
         self._closing = False
-        # Data files being written (their paths): in place by a fill, or a chunk of one (a
-        # whole file's one chunk under tmp/, renamed over it).  Whoever takes a path out
-        # (the writer, to index or discard it; close, to remove it) sees to its file.
-        self._writing: set[str] = set()
+        # Data files being written, by path: True, in place by a fill; False, a chunk of
+        # one (a whole file's one chunk under tmp/, renamed over it).  Whoever takes a path
+        # out (the writer, to index or discard it; close, to remove a fill's) sees to its
+        # file.
+        self._writing: dict[str, bool] = {}
         self.ready = threading.Event()  # set once the account is known (reconciled)
         self.startup_report = CheckReport()
 
@@ -366,9 +367,10 @@ class CacheStore:
     def close(self) -> None:
         with self._lock:
             self._closing = True
-            unfinished, self._writing = self._writing, set()
-        for path in unfinished:  # fills cut short: no record will name them
-            unlink_quietly(path)
+            unfinished, self._writing = self._writing, {}
+        for path, in_place in unfinished.items():
+            if in_place:  # a fill cut short: no record will name it
+                unlink_quietly(path)
         self.ready.set()  # a scrub waiting for it goes
         if self._reconciler is not None:
             self._reconciler.join()  # it stops at its next batch
@@ -712,7 +714,7 @@ class CacheStore:
                 return None
             claimed = final not in self._writing
             if claimed:
-                self._writing.add(final)
+                self._writing[final] = True
         if not claimed:  # another writer's (not a fill's: those are one per version)
             return self.layout.create_tmp(dkey)
         try:
@@ -738,10 +740,7 @@ class CacheStore:
             return self._unclaim_locked(final)
 
     def _unclaim_locked(self, final: str) -> bool:
-        if final in self._writing:
-            self._writing.discard(final)
-            return True
-        return False
+        return self._writing.pop(final, None) is not None
 
     def _discard(self, new: NewFile) -> None:
         """Remove a fill's file that will not be indexed (one written in place only while
@@ -802,7 +801,7 @@ class CacheStore:
             if record is None:
                 self._index_filled_locked(key, attr, new, checksums, allocated, written,
                                           fan_bytes)
-            self._writing.discard(new.final)
+            del self._writing[new.final]
         if record is None:
             self._wrote()
             return True
@@ -920,7 +919,7 @@ class CacheStore:
         with self._lock:
             claimed = not self._closing and final not in self._writing
             if claimed:
-                self._writing.add(final)
+                self._writing[final] = False
         if not claimed:
             return False
         try:
