@@ -424,10 +424,29 @@ def test_no_chunk_is_written_beside_a_fill_of_the_same_file(open_store, tmp_path
     assert put_file(store, "d/other.bin", data)  # once no fill writes it, a chunk is stored
 
 
+def test_chunks_of_one_file_written_at_once_are_all_stored(open_store, monkeypatch):
+    """Two readers storing different chunks of one large file at the same moment: neither
+    keeps the other off its data file (only a fill in place does)."""
+    data = os.urandom(2 * CHUNK_BYTES + 5)
+    store = open_store()
+    key, attr = b"d/large.bin", attr_of(len(data))
+    write_at = store.layout.write_at
+
+    def and_another(*args):
+        monkeypatch.setattr(store.layout, "write_at", write_at)
+        assert store.store_chunk(key, attr, 1, data[CHUNK_BYTES:2 * CHUNK_BYTES])
+        return write_at(*args)
+
+    monkeypatch.setattr(store.layout, "write_at", and_another)
+    assert store.store_chunk(key, attr, 0, data[:CHUNK_BYTES])
+    assert store.store_chunk(key, attr, 2, data[2 * CHUNK_BYTES:])
+    assert read_file(store, "d/large.bin") == data
+
+
 def test_a_clean_stop_during_a_chunk_write_keeps_the_file_its_records_name(open_store,
                                                                              monkeypatch):
-    """A chunk write claims its data file's name too, but a clean stop meanwhile removes
-    only fills' files: the chunks stored before it are still read after the restart."""
+    """A clean stop during a chunk write removes only the files fills were writing in
+    place: the chunks stored before it are still read after the restart."""
     data = os.urandom(2 * CHUNK_BYTES + 5)
     store = open_store()
     key, attr = b"d/large.bin", attr_of(len(data))

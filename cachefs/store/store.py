@@ -32,6 +32,7 @@ is held.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -181,10 +182,11 @@ class CacheStore:
     Thread safety: reading chunks takes no lock (records are immutable values, a file of
     one chunk is replaced atomically, and chunks of a larger file are checked against their
     checksums).  ``_lock`` guards the space account (``_data_bytes``, ``_reserved_bytes``,
-    ``_fan_bytes``, ``_fan_total``, ``_index_bytes``), ``_complete_files``, ``_writing``,
-    ``_closing`` and every read-modify-write of a file record.  ``_verified`` is a set
-    changed by single operations, ``_trusted`` a flag set once; ``_fan_writes`` counts
-    without a lock (a lost count only moves when a directory is measured next).
+    ``_fan_bytes``, ``_fan_total``, ``_index_bytes``), ``_complete_files``, ``_filling``,
+    ``_chunk_writes``, ``_closing`` and every read-modify-write of a file record.
+    ``_verified`` is a set changed by single operations, ``_trusted`` a flag set once;
+    ``_fan_writes`` counts without a lock (a lost count only moves when a directory is
+    measured next).
     """
 
     def __init__(
@@ -231,11 +233,12 @@ class CacheStore:
         self._reconciler: threading.Thread | None = None
         self._reconciling = False  # admission paused until the account is known
         self._closing = False
-        # Data files being written, by path: True, in place by a fill; False, a chunk of
-        # one (a whole file's one chunk under tmp/, renamed over it).  Whoever takes a path
-        # out (the writer, to index or discard it; close, to remove a fill's) sees to its
-        # file.
-        self._writing: dict[str, bool] = {}
+        # Data files a fill writes in place, by path: whoever takes a path out (the fill, to
+        # index or discard it; close, to remove it) sees to its file.  Beside them, the
+        # chunk writes under way into each data file (a whole file's one chunk is written
+        # under tmp/ and renamed over it): neither kind writes at a name the other holds.
+        self._filling: set[str] = set()
+        self._chunk_writes: collections.Counter[str] = collections.Counter()
         self.ready = threading.Event()  # set once the account is known (reconciled)
         self.startup_report = CheckReport()
 
@@ -367,10 +370,9 @@ class CacheStore:
     def close(self) -> None:
         with self._lock:
             self._closing = True
-            unfinished, self._writing = self._writing, {}
-        for path, in_place in unfinished.items():
-            if in_place:  # a fill cut short: no record will name it
-                unlink_quietly(path)
+            unfinished, self._filling = self._filling, set()
+        for path in unfinished:  # fills cut short: no record will name them
+            unlink_quietly(path)
         self.ready.set()  # a scrub waiting for it goes
         if self._reconciler is not None:
             self._reconciler.join()  # it stops at its next batch
@@ -703,7 +705,7 @@ class CacheStore:
     def _new_fill(self, key: bytes, attr: Attr) -> NewFile | None:
         """The file a fill writes: the data file itself when nothing of this file is
         indexed and no file has its name (a first fill, nearly every one), claimed in
-        ``_writing`` while it is written; otherwise a temporary file.  None when the store
+        ``_filling`` while it is written; otherwise a temporary file.  None when the store
         is closing."""
         dkey = data_key(key, attr.version)
         if self.index.get_file(key) is not None:  # another version, or chunks: replaced
@@ -712,10 +714,10 @@ class CacheStore:
         with self._lock:
             if self._closing:
                 return None
-            claimed = final not in self._writing
+            claimed = final not in self._filling and not self._chunk_writes[final]
             if claimed:
-                self._writing[final] = True
-        if not claimed:  # another writer's (not a fill's: those are one per version)
+                self._filling.add(final)
+        if not claimed:  # chunks are being written into it (or, never, another fill)
             return self.layout.create_tmp(dkey)
         try:
             new = self.layout.create_in_place(dkey)
@@ -726,7 +728,7 @@ class CacheStore:
             self._unclaim(final)
             return self.layout.create_tmp(dkey)
         with self._lock:
-            kept = new.final in self._writing
+            kept = new.final in self._filling
         if not kept:  # close() took the path (finding no file yet): ours goes
             os.close(new.fd)
             unlink_quietly(new.final)
@@ -734,13 +736,16 @@ class CacheStore:
         return new
 
     def _unclaim(self, final: str) -> bool:
-        """Take a path out of ``_writing``: whether it was still there (the caller sees to
+        """Take a path out of ``_filling``: whether it was still there (the caller sees to
         its file then; close() took it otherwise)."""
         with self._lock:
             return self._unclaim_locked(final)
 
     def _unclaim_locked(self, final: str) -> bool:
-        return self._writing.pop(final, None) is not None
+        if final in self._filling:
+            self._filling.discard(final)
+            return True
+        return False
 
     def _discard(self, new: NewFile) -> None:
         """Remove a fill's file that will not be indexed (one written in place only while
@@ -794,14 +799,14 @@ class CacheStore:
         at a name claimed), which is kept."""
         fan_bytes = self._fan_bytes_after_a_write(new.fan)
         with self._lock:
-            if new.final not in self._writing:
+            if new.final not in self._filling:
                 return False
             # The claim goes once indexed: what raises before leaves the file to _discard.
             record = self.index.get_file(key)
             if record is None:
                 self._index_filled_locked(key, attr, new, checksums, allocated, written,
                                           fan_bytes)
-            del self._writing[new.final]
+            self._filling.discard(new.final)
         if record is None:
             self._wrote()
             return True
@@ -913,14 +918,14 @@ class CacheStore:
         checksum = _checksum(data)
         single = chunk_count(attr.size) == 1
         dkey = data_key(key, attr.version)
-        # Never beside a fill writing the same file in place, nor it beside this: the name
-        # is claimed while the chunk is written (a whole file's copy renamed over it).
+        # Never beside a fill writing the same file in place, nor it beside this (a whole
+        # file's copy is renamed over the name, a larger file's chunks written into it).
         final = self.layout.data_path(dkey)
         with self._lock:
-            claimed = not self._closing and final not in self._writing
-            if claimed:
-                self._writing[final] = False
-        if not claimed:
+            free = not self._closing and final not in self._filling
+            if free:
+                self._chunk_writes[final] += 1
+        if not free:
             return False
         try:
             if single:
@@ -928,7 +933,10 @@ class CacheStore:
             else:
                 allocated = self.layout.write_at(dkey, number * CHUNK_BYTES, data)
         finally:
-            self._unclaim(final)
+            with self._lock:
+                self._chunk_writes[final] -= 1
+                if not self._chunk_writes[final]:
+                    del self._chunk_writes[final]
         fan, fan_bytes = self.layout.fan_dir_bytes_of(dkey)
         replaced = None
         with self._lock:
