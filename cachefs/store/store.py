@@ -739,13 +739,10 @@ class CacheStore:
         """Take a path out of ``_filling``: whether it was still there (the caller sees to
         its file then; close() took it otherwise)."""
         with self._lock:
-            return self._unclaim_locked(final)
-
-    def _unclaim_locked(self, final: str) -> bool:
-        if final in self._filling:
+            if final not in self._filling:
+                return False
             self._filling.discard(final)
             return True
-        return False
 
     def _discard(self, new: NewFile) -> None:
         """Remove a fill's file that will not be indexed (one written in place only while
