@@ -58,7 +58,7 @@ from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.origin import RemoteOrigin
 from cachefs.remote.remote import Remote
-from cachefs.service import affinity, heap, sdnotify
+from cachefs.service import affinity, collector, heap, sdnotify
 from cachefs.service.config import Settings
 from cachefs.service.memory import default_held_files, default_staging_bytes
 from cachefs.service.supervisor import Succession
@@ -142,6 +142,7 @@ class Daemon:
         s = self.settings
         m = self.metrics
         heap.map_large_blocks()  # before the tables that grow with the dataset
+        collector.collect_rarely()
         # Before the threads start: they keep to the CPUs of the thread that starts them.
         self.cpus = affinity.serving_cpus(s.cpus, str(s.mountpoint))
         affinity.keep_to(self.cpus)
@@ -289,6 +290,7 @@ class Daemon:
                 succession.report_descriptor(session.fd)
         previous = {sig: signal.signal(sig, lambda *_: session.unmount())
                     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        collector.freeze_what_starting_made()
         try:
             session.serve()
         finally:
