@@ -45,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench import machine, scale_report
 from bench.datapath import cpu_seconds
 from bench.driver import drop_page_cache
@@ -297,13 +299,28 @@ def mount_warm_flags(mount: CachefsMount) -> list[str]:
 
 
 def read_pass(readers: Readers, root: Path, tree: Tree, seed: int,
-              pid: int | None = None) -> dict:
-    before = cpu_seconds(pid) if pid else None
+              mount: CachefsMount | None = None) -> dict:
+    """One pass over every file; through ``mount``, with the daemon's CPU per file and the
+    part of it its garbage collector took."""
+    before = (cpu_seconds(mount.pid), gc_seconds(mount)) if mount else None
     seconds = readers.read_pass(root, seed=seed, expect_bytes=tree.data_bytes)
     out = {"files_per_second": tree.files / seconds}
-    if pid:
-        out["daemon_cpu_us_per_file"] = (cpu_seconds(pid) - before) / tree.files * 1e6
+    if mount:
+        out["daemon_cpu_us_per_file"] = (cpu_seconds(mount.pid) - before[0]) / tree.files * 1e6
+        collected = gc_seconds(mount)
+        if collected is not None and before[1] is not None:
+            out["gc_us_per_file"] = (collected - before[1]) / tree.files * 1e6
     return out
+
+
+def gc_seconds(mount: CachefsMount) -> float | None:
+    """Seconds the serving process has spent in garbage collections (None: a daemon that does
+    not export them, a baseline's)."""
+    total = None
+    for family in text_string_to_metric_families(mount.metrics_text()):
+        if family.name == "cachefs_gc_seconds":
+            total = sum(sample.value for sample in family.samples)
+    return total
 
 
 @dataclass
@@ -359,9 +376,9 @@ def measure_big(run: Run, tree: Tree) -> dict:
             log(f"  {out['warm']['summary']}")
             out["rss_after_warm_bytes"] = rss_bytes(mount.pid)
             log("read passes through the mount")
-            out["passes"]["after_warm"] = read_pass(readers, mount.path, tree, 100, mount.pid)
+            out["passes"]["after_warm"] = read_pass(readers, mount.path, tree, 100, mount)
             out["rss_after_read_bytes"] = rss_bytes(mount.pid)
-            out["passes"]["steady"] = [read_pass(readers, mount.path, tree, 101 + r, mount.pid)
+            out["passes"]["steady"] = [read_pass(readers, mount.path, tree, 101 + r, mount)
                                        for r in range(args.repeats)]
             out["rss_after_steady_bytes"] = rss_bytes(mount.pid)
             out["status_seconds"] = cachefs_cli(mount, "status", str(mount.path))
@@ -373,14 +390,13 @@ def measure_big(run: Run, tree: Tree) -> dict:
         with run.mount(tree, "cache") as mount:
             out["mount_after_unmount_seconds"] = mount.mount_seconds
             out["rss_after_restart_bytes"] = rss_bytes(mount.pid)
-            out["passes"]["after_restart"] = read_pass(readers, mount.path, tree, 200,
-                                                       mount.pid)
+            out["passes"]["after_restart"] = read_pass(readers, mount.path, tree, 200, mount)
             os.kill(mount.pid, signal.SIGKILL)  # a crash: close() clears the stale mount
         with run.mount(tree, "cache") as mount:
             out["mount_after_kill_seconds"] = mount.mount_seconds
-            out["passes"]["after_kill"] = read_pass(readers, mount.path, tree, 201, mount.pid)
+            out["passes"]["after_kill"] = read_pass(readers, mount.path, tree, 201, mount)
             out["passes"]["steady_after_kill"] = read_pass(readers, mount.path, tree, 202,
-                                                           mount.pid)
+                                                           mount)
     finally:
         readers.close()
     return out
@@ -395,16 +411,16 @@ def measure_small(run: Run, tree: Tree) -> dict:
                          for seed in range(args.repeats)]}
         with run.mount(tree, "cache-small", name="mnt-small") as mount:
             out["warm"] = warm(mount, tree, run.run_dir)
-            out["steady"] = [read_pass(readers, mount.path, tree, 300 + r, mount.pid)
+            out["steady"] = [read_pass(readers, mount.path, tree, 300 + r, mount)
                              for r in range(args.repeats + 1)]
         revalidate = ("--revalidate", str(REVALIDATE_SMALL_SECONDS))
         with run.mount(tree, "cache-small", name="mnt-small", extra_args=revalidate) as mount:
-            read_pass(readers, mount.path, tree, 400, mount.pid)  # past the restart's checks
+            read_pass(readers, mount.path, tree, 400, mount)  # past the restart's checks
             out["steady_revalidated"] = []
             for r in range(args.repeats + 1):
                 time.sleep(REVALIDATE_SMALL_SECONDS)  # every file's attributes due
                 out["steady_revalidated"].append(
-                    read_pass(readers, mount.path, tree, 401 + r, mount.pid))
+                    read_pass(readers, mount.path, tree, 401 + r, mount))
     finally:
         readers.close()
     return out

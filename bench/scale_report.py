@@ -41,6 +41,13 @@ def _cpus(passes: list[dict]) -> list[float]:
     return [p["daemon_cpu_us_per_file"] for p in passes if "daemon_cpu_us_per_file" in p]
 
 
+def _collected(passes: list[dict]) -> str:
+    """The garbage collector's share of the daemon's CPU per file, where the daemon exports
+    it."""
+    spent = [p["gc_us_per_file"] for p in passes if "gc_us_per_file" in p]
+    return f" ({_span(spent, ',.1f')} us of it in garbage collection)" if spent else ""
+
+
 def _span(values: list[float], fmt: str = ",.0f") -> str:
     if not values:
         return "—"
@@ -205,13 +212,15 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
          f"files/s, {passes['after_warm']['daemon_cpu_us_per_file']:,.0f} us per file", ""),
         ("steady read pass through the mount",
          f"{_span(steady)} files/s = {_span([100 * s for s in share])} % of local, "
-         f"{_span(_cpus(passes['steady']))} us per file", f"{_span(local_rates)} files/s"),
+         f"{_span(_cpus(passes['steady']))} us per file{_collected(passes['steady'])}",
+         f"{_span(local_rates)} files/s"),
     ]
     small = results.get("small")
     if small:
         out.append((f"steady read pass at {settings['small_files']:,} files",
                     f"{_span(_rates(small['steady']))} files/s, "
-                    f"{_span(_cpus(small['steady']))} us per file",
+                    f"{_span(_cpus(small['steady']))} us per file"
+                    f"{_collected(small['steady'])}",
                     f"{_span(_rates(small['local']))} files/s"))
         revalidated = small.get("steady_revalidated")
         if revalidated:

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from cachefs.address import MetricsAddress
 from cachefs.errors import UsageError
@@ -212,6 +214,11 @@ class Metrics:
         self.remote_available.set(1)
         self._server = None
 
+    def watch_collections(self, collections: list[int], seconds: list[float]) -> None:
+        """Export the garbage collector's collections and the seconds they took, by
+        generation, from lists their owner keeps current, read at scrape time."""
+        self.registry.register(_Collections(collections, seconds))
+
     def bind_gauge(self, gauge: Gauge, read: Callable[[], float]) -> None:
         """Let ``gauge`` read its value from the owner of the figure at scrape time."""
         gauge.set_function(read)
@@ -239,3 +246,21 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _Collections(Collector):
+    def __init__(self, collections: list[int], seconds: list[float]) -> None:
+        self._collections, self._seconds = collections, seconds
+
+    def collect(self):
+        collections = CounterMetricFamily(
+            "cachefs_gc_collections", "Collections of Python's cyclic garbage collector in the "
+            "serving process, by generation (2: a full collection)", labels=["generation"])
+        seconds = CounterMetricFamily(
+            "cachefs_gc_seconds", "Seconds the serving process spent in those collections, "
+            "every request waiting meanwhile", labels=["generation"])
+        for generation, (count, spent) in enumerate(zip(self._collections, self._seconds,
+                                                        strict=True)):
+            collections.add_metric([str(generation)], count)
+            seconds.add_metric([str(generation)], spent)
+        return [collections, seconds]

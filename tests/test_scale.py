@@ -322,3 +322,19 @@ def test_ls_lR_repeated_after_the_interval_takes_the_attributes_with_the_listing
     assert any(" 5000 " in line and line.endswith(" 0003-nnn.bin") for line in again)
     # Read from the cached listings: a LOOKUP per name (1,000).
     assert mount.metric("cachefs_lookups_total") - before < 50
+
+
+def test_the_serving_process_counts_and_times_its_garbage_collections(
+        source, remote, mount_cachefs):
+    """cachefs_gc_collections_total and cachefs_gc_seconds_total: what requests waited for
+    Python's collector, by generation; a full one is made just before serving."""
+    files = make_tree(source, 1)
+    mount = mount_cachefs(remote.path, fraction=1.0)
+    for rel, data in files.items():
+        assert (mount.path / rel).read_bytes() == data
+    samples = mount.metrics()
+    for name in ("cachefs_gc_collections_total", "cachefs_gc_seconds_total"):
+        assert {labels for sample, labels in samples if sample == name} == {
+            (("generation", generation),) for generation in "012"}
+    assert samples[("cachefs_gc_collections_total", (("generation", "2"),))] >= 1
+    assert samples[("cachefs_gc_seconds_total", (("generation", "2"),))] > 0

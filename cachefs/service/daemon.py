@@ -142,7 +142,8 @@ class Daemon:
         s = self.settings
         m = self.metrics
         heap.map_large_blocks()  # before the tables that grow with the dataset
-        collector.collect_rarely()
+        collections = collector.collect_rarely()
+        m.watch_collections(collections.collections, collections.seconds)
         # Before the threads start: they keep to the CPUs of the thread that starts them.
         self.cpus = affinity.serving_cpus(s.cpus, str(s.mountpoint))
         affinity.keep_to(self.cpus)
