@@ -7,18 +7,19 @@ fewer than 1,000 for it).  But each collection visits every container object of 
 generations it collects, and the oldest holds one or more per file the daemon keeps track of:
 a held cache file (mirror/mirrorfs.py ``Backing``), a queued fill.  With CPython's thresholds
 (700, 10, 10) a full collection comes every few ten thousand requests once such objects come
-and go: over a fill pass and two read passes of 300,000 cached files with 192,844 held, 60
-full collections of 150 ms each and 660 of the middle generation of 4 ms each, 13 s of the
-serving thread, some 14 us per file read and every request waiting meanwhile.  At 10,000
-files: none of that.
+and go: over a fill pass and two read passes of 300,000 cached files with 192,844 held, 63
+full collections of 100 to 290 ms each and 700 of the middle generation of 2 to 4 ms, 13 s
+of the serving thread, 12 to 19 us per file, every request waiting meanwhile.  At 10,000
+files: 25 ms in all.
 
 So collections are rarer: the youngest generation every 50,000 allocations net of frees
 (about 200 requests' worth; most of what a request allocates is freed before), the middle
 one every 20 of those, the oldest every 100 of the middle (and, as CPython adds, only once
 the objects promoted since the last full collection are a quarter of those there).  The
-same run then spent 0.7 s in 16 collections.  (10,000 for the youngest: 3.6 s, more young
-objects promoted and visited again.)  And what starting made (modules, functions, the
-tables: some 27,000 objects, none garbage) is frozen out of every later collection.
+same run then spent 0.7 s in 59 collections of the youngest generation and none of the
+others.  (10,000 for the youngest: 3.6 s, more young objects promoted and visited again.)
+And what starting made (modules, functions, the tables: some 27,000 objects, none garbage)
+is frozen out of every later collection.
 """
 
 from __future__ import annotations
