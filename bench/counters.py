@@ -40,6 +40,15 @@ def cachefs_snapshot(metrics_text: str) -> Snapshot:
     return found
 
 
+def gc_seconds(metrics_text: str) -> float | None:
+    """Seconds the serving process has spent in garbage collections, every generation, from
+    one scrape of /metrics (None: a daemon that does not export them, a baseline's)."""
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "cachefs_gc_seconds":
+            return sum(sample.value for sample in family.samples)
+    return None
+
+
 PEER_BUCKET = "cachefs_peer_fetch_seconds_le_"
 
 

@@ -45,9 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench import machine, scale_report
+from bench.counters import gc_seconds
 from bench.datapath import cpu_seconds
 from bench.driver import drop_page_cache
 from bench.emulator import slowfs
@@ -302,25 +301,16 @@ def read_pass(readers: Readers, root: Path, tree: Tree, seed: int,
               mount: CachefsMount | None = None) -> dict:
     """One pass over every file; through ``mount``, with the daemon's CPU per file and the
     part of it its garbage collector took."""
-    before = (cpu_seconds(mount.pid), gc_seconds(mount)) if mount else None
+    if mount:
+        cpu_before, gc_before = cpu_seconds(mount.pid), gc_seconds(mount.metrics_text())
     seconds = readers.read_pass(root, seed=seed, expect_bytes=tree.data_bytes)
     out = {"files_per_second": tree.files / seconds}
     if mount:
-        out["daemon_cpu_us_per_file"] = (cpu_seconds(mount.pid) - before[0]) / tree.files * 1e6
-        collected = gc_seconds(mount)
-        if collected is not None and before[1] is not None:
-            out["gc_us_per_file"] = (collected - before[1]) / tree.files * 1e6
+        out["daemon_cpu_us_per_file"] = (cpu_seconds(mount.pid) - cpu_before) / tree.files * 1e6
+        gc_after = gc_seconds(mount.metrics_text())
+        if gc_before is not None and gc_after is not None:
+            out["gc_us_per_file"] = (gc_after - gc_before) / tree.files * 1e6
     return out
-
-
-def gc_seconds(mount: CachefsMount) -> float | None:
-    """Seconds the serving process has spent in garbage collections (None: a daemon that does
-    not export them, a baseline's)."""
-    total = None
-    for family in text_string_to_metric_families(mount.metrics_text()):
-        if family.name == "cachefs_gc_seconds":
-            total = sum(sample.value for sample in family.samples)
-    return total
 
 
 @dataclass
