@@ -61,6 +61,47 @@ def test_a_tree_larger_than_every_bound_is_read_twice_with_the_right_bytes(
     assert mount.metric("cachefs_nodes") < len(files) / 2
 
 
+def test_held_files_pushed_out_while_open_are_closed_by_their_last_reader(
+        source, remote, mount_cachefs):
+    """Past the bound, held cache files are let go the least recently opened first: those
+    no open uses at once, those still open at their last release.  They stay readable till
+    then, and the kernel is left with no backing file the daemon lost track of."""
+    from tests.test_restart import _registered_backing_ids
+
+    files = make_tree(source, directories=1)  # 500 files
+    mount = mount_cachefs(remote.path, held_files=64, fraction=1.0)
+    passthrough = mount.status()["data_path"].startswith("kernel passthrough")
+    names = sorted(files)
+    for rel in names:  # filled
+        assert (mount.path / rel).read_bytes() == files[rel]
+    mount.settle()
+    kept_open = names[:20]
+    readers = [open(mount.path / rel, "rb") for rel in kept_open]  # held, then in use
+    try:
+        for reader, rel in zip(readers, kept_open, strict=True):
+            assert reader.read(100) == files[rel][:100]
+        for epoch in range(2):  # every other file held in turn: the open ones pushed out
+            for rel in random.Random(epoch).sample(names[20:], len(names) - 20):
+                assert (mount.path / rel).read_bytes() == files[rel], (epoch, rel)
+        for reader, rel in zip(readers, kept_open, strict=True):
+            assert reader.read() == files[rel][100:], rel
+    finally:
+        for reader in readers:
+            reader.close()
+    for rel in kept_open:  # held again
+        assert (mount.path / rel).read_bytes() == files[rel]
+    mount.settle()
+    held = mount.status()["memory"]["held_files"]
+    assert 20 <= held <= 64
+    if passthrough:
+        assert _registered_backing_ids(mount.supervisor_pid, highest=4 * len(names)) == held
+    else:  # each held file a descriptor of the daemon's
+        data = f"{(mount.cache_dir / 'data').resolve()}/"
+        open_files = [os.readlink(f"/proc/{mount.pid}/fd/{fd}")
+                      for fd in os.listdir(f"/proc/{mount.pid}/fd")]
+        assert sum(path.startswith(data) for path in open_files) == held
+
+
 def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
         source, remote, mount_cachefs):
     """A directory looked up name by name is listed in the background, so that its other

@@ -129,20 +129,23 @@ _HIT = ("hit", "cache")
 @dataclass(eq=False, slots=True)
 class Backing:
     """A local file registered with the kernel (``backing_id``; 0 without passthrough) and
-    our descriptor of it (-1 once the kernel holds it alone).  ``held``: a cache file kept
-    across opens (in ``HeldFiles``), which ``checked_as`` (its inode, mtime and ctime) tells
-    apart from any other; otherwise it belongs to the opens using it and goes with the
-    last."""
+    our descriptor of it (-1 once the kernel holds it alone), while opens use it.  ``held``:
+    a cache file kept across opens (in ``HeldFiles``, as the number ``held_as``); otherwise
+    it belongs to the opens using it and goes with the last."""
 
     fd: int
     backing_id: int
-    held: bool
     reopened_as: tuple[str, str]  # (result, source) counted for another open sharing it
     opens: int = 0
     evicted: bool = False
     readable: bool = True  # False: no descriptor of ours, or the remote's file by path (O_PATH)
-    checked_as: tuple[int, int, int] | None = None
-    record: int = 0  # its slot in the handle table, when held and registered
+    held_key: int = 0  # held: its key in HeldFiles (held_key())
+    held_as: int = 0   # held: its entry there (HeldFile.packed())
+    record: int = 0    # held and registered: its slot in the handle table
+
+    @property
+    def held(self) -> bool:
+        return self.held_as != 0
 
     @property
     def gone(self) -> bool:
@@ -152,11 +155,10 @@ class Backing:
         return self.evicted and self.opens == 0
 
     @classmethod
-    def of(cls, fd: int, backing_id: int, located: Located) -> Backing:
-        if located.kind == "cache":  # whatever brought it (a miss, a prefetch), now a hit
-            return cls(fd, backing_id, True, _HIT, checked_as=located.checked_as)
-        return cls(fd, backing_id, False, (located.result, located.source),
-                   readable=located.readable)
+    def held_file(cls, key: int, packed: int) -> Backing:
+        held = HeldFile.unpack(packed)
+        return cls(held.fd, held.backing_id, _HIT, readable=held.fd >= 0, held_key=key,
+                   held_as=packed, record=held.record)
 
 
 @dataclass(eq=False)
@@ -179,48 +181,79 @@ def held_key(relpath: str, version: Version) -> int:
 
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+_U32 = 0xFFFF_FFFF
+_U64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+class HeldFile(NamedTuple):
+    """A cache file kept registered across opens, as HeldFiles keeps it: one int each
+    (``packed``), not an object, so that a held file costs the daemon some 200 bytes, not
+    500, and the garbage collector nothing (an int holds no references: it is not tracked).
+    192,844 of them are held at the defaults on a machine of 24 GiB (service/memory.py).
+    A Backing is made for one only while opens use it (``MirrorFS._held_open``)."""
+
+    backing_id: int  # 0 without passthrough
+    fd: int          # -1 with passthrough: the kernel holds the file
+    record: int      # its slot in the handle table, with passthrough
+    checked_as: tuple[int, int, int]  # the cache file as checked: inode, mtime, ctime
+
+    def packed(self) -> int:
+        ino, mtime_ns, ctime_ns = self.checked_as
+        # Never 0 (Backing.held): with passthrough the backing id is set, without it the
+        # descriptor (stored plus one).
+        return (self.record | (self.fd + 1) << 32 | self.backing_id << 64
+                | (ino & _U64) << 96 | (mtime_ns & _U64) << 160 | (ctime_ns & _U64) << 224)
+
+    @classmethod
+    def unpack(cls, packed: int) -> HeldFile:
+        return cls((packed >> 64) & _U32, ((packed >> 32) & _U32) - 1, packed & _U32,
+                   ((packed >> 96) & _U64, _signed(packed >> 160 & _U64),
+                    _signed(packed >> 224 & _U64)))
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >> 63 else value
 
 
 class HeldFiles:
-    """Cache files kept registered across opens, by :func:`held_key`, the least recently
-    opened first out.  Thread safety: the caller holds ``MirrorFS._lock``."""
+    """Cache files kept registered across opens, by :func:`held_key`, each as a
+    ``HeldFile.packed()``, the least recently opened first out.  Thread safety: the caller
+    holds ``MirrorFS._lock``."""
 
     def __init__(self, max_files: int) -> None:
         self.max_files = max_files
         # In order of use, the least recent first.  An OrderedDict, not a dict: taking a
         # dict's first key walks past every entry deleted since it last grew, tens of
         # microseconds per open once tens of thousands have been pushed out.
-        self._files: OrderedDict[int, Backing] = OrderedDict()
+        self._files: OrderedDict[int, int] = OrderedDict()
 
-    def get_locked(self, key: int) -> Backing | None:
-        backing = self._files.get(key)
-        if backing is not None:
+    def get_locked(self, key: int) -> int | None:
+        packed = self._files.get(key)
+        if packed is not None:
             self._files.move_to_end(key)
-        return backing
+        return packed
 
-    def put_locked(self, key: int, backing: Backing) -> list[Backing]:
-        """Keep ``backing``; the ones pushed out (the caller closes those no open uses)."""
+    def holds_locked(self, key: int, packed: int) -> bool:
+        return self._files.get(key) == packed
+
+    def put_locked(self, key: int, packed: int) -> list[tuple[int, int]]:
+        """Keep ``packed``; the (key, entry) pairs pushed out, the caller's to close."""
         old = self._files.pop(key, None)
-        self._files[key] = backing
-        out = [old] if old is not None else []
+        self._files[key] = packed
+        out = [(key, old)] if old is not None else []
         while len(self._files) > self.max_files:
-            out.append(self._files.popitem(last=False)[1])
-        for gone in out:
-            gone.evicted = True
+            out.append(self._files.popitem(last=False))
         return out
 
-    def drop_locked(self, key: int) -> Backing | None:
-        backing = self._files.pop(key, None)
-        if backing is not None:
-            backing.evicted = True
-        return backing
+    def drop_locked(self, key: int) -> int | None:
+        return self._files.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._files)
 
 
-def _held_as(held: Backing | None) -> tuple[int, int, int] | None:
-    return None if held is None else held.checked_as
+def _held_as(packed: int | None) -> tuple[int, int, int] | None:
+    return None if packed is None else HeldFile.unpack(packed).checked_as
 
 
 def _pack(nodeid: int, a: Attr) -> bytes:
@@ -241,9 +274,9 @@ class MirrorFS:
     """The FUSE requests of one cachefs mount.
 
     Thread safety: ``_lock`` guards ``_opened``, ``_handles``, the handle table, ``_held``,
-    ``_dir_paths``, ``_listed``, ``_last_listing`` and the counters of every Opened and
-    Backing; the node table has its own lock, a leaf (taken under ``_lock``, never the other
-    way round); everything else is the tree's.
+    ``_held_open``, ``_dir_paths``, ``_listed``, ``_last_listing`` and the counters of every
+    Opened and Backing; the node table has its own lock, a leaf (taken under ``_lock``, never
+    the other way round); everything else is the tree's.
     """
 
     def __init__(self, tree: CachedTree, *, on_mounted, metrics,
@@ -274,6 +307,9 @@ class MirrorFS:
         self._max_held = max_held
         # Without passthrough (until INIT says otherwise) each held file is a descriptor.
         self._held = HeldFiles(min(max_held or MAX_HELD_DESCRIPTORS, _max_held_descriptors()))
+        # The held files open now, by their entry in _held: the one Backing their opens
+        # count (an entry pushed out meanwhile is closed by the last of those).
+        self._held_open: dict[int, Backing] = {}
 
     # -- the session's calls -------------------------------------------------------------
 
@@ -306,7 +342,7 @@ class MirrorFS:
                     if backing is None:
                         # The kernel holds the file; the last RELEASE closes the id.
                         backing = shared[record.backing_id] = Backing(
-                            -1, record.backing_id, False, _HIT, readable=False)
+                            -1, record.backing_id, _HIT, readable=False)
                     backing.opens += 1
                     opened.backing = backing
                     opened.passthrough += 1
@@ -593,16 +629,15 @@ class MirrorFS:
             self.tree.count_open(*live.reopened_as, attr.size)
             return p.open_out(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, live.backing_id)
         located = self.tree.locate(node.relpath, attr, held=_held_as(held))
-        backing = self._backing_for(node, located, held)
+        backing = self._backing_for(located, key, held)
         if backing is None:
             return self._serve(node, located)
         return self._reply_passthrough(node, backing)
 
-    def _backing_for(self, node: Node, located: Located, held: Backing | None
-                     ) -> Backing | None:
+    def _backing_for(self, located: Located, key: int, held: int | None) -> Backing | None:
         """The backing file for ``located``; None when it has no single local file."""
         if located.kind == "held":
-            return held
+            return Backing.held_file(key, held)
         if located.kind == "chunks":
             return None
         fd = located.fd
@@ -611,18 +646,50 @@ class MirrorFS:
         except OSError:
             os.close(fd)
             raise
-        backing = Backing.of(fd, backing_id, located)
-        if backing.held:
-            # Registered: the kernel keeps the file open itself, we need no descriptor of it.
-            os.close(fd)
-            backing.fd, backing.readable = -1, False
-            with self._lock:
-                backing.record = self.records.add_locked(0, backing_id, h.HELD)
-                out = self._held.put_locked(held_key(node.relpath, node.attr.version),
-                                            backing)
-                out = [b for b in out if b.opens == 0]
-            for gone in out:
-                self._close_backing(gone)
+        if located.kind != "cache":
+            return Backing(fd, backing_id, (located.result, located.source),
+                           readable=located.readable)
+        # A cache file, whatever brought it (a miss, a prefetch), is a hit from now on, kept
+        # registered.  The kernel keeps it open itself: we need no descriptor of it.
+        os.close(fd)
+        return self._hold(key, backing_id, -1, located.checked_as)
+
+    def _hold(self, key: int, backing_id: int, fd: int, checked_as: tuple[int, int, int]
+              ) -> Backing:
+        """Keep a cache file across opens (registered, ``backing_id``, or open, ``fd``); the
+        least recently opened ones pushed out are closed, unless opens use them."""
+        with self._lock:
+            record = self.records.add_locked(0, backing_id, h.HELD) if backing_id else 0
+            packed = HeldFile(backing_id, fd, record, checked_as).packed()
+            out = self._push_out_locked(self._held.put_locked(key, packed))
+        for gone in out:
+            self._close_backing(gone)
+        return Backing.held_file(key, packed)
+
+    def _push_out_locked(self, entries: list[tuple[int, int]]) -> list[Backing]:
+        """The held files of ``entries``, no longer held: those opens use are closed by the
+        last of them; the others are returned, to be closed (outside the lock)."""
+        closing = []
+        for key, packed in entries:
+            backing = self._held_open.get(packed)
+            if backing is not None:
+                backing.evicted = True
+            else:
+                closing.append(Backing.held_file(key, packed))
+        return closing
+
+    def _in_use_locked(self, backing: Backing) -> Backing | None:
+        """The Backing that counts the opens of ``backing``'s file, about to count one
+        more: a held file's may be another open's; None when the file was pushed out of
+        the held files since (and closed by whoever pushed it out)."""
+        if not backing.held:
+            return backing
+        current = self._held_open.get(backing.held_as)
+        if current is not None:
+            return current
+        if backing.gone or not self._held.holds_locked(backing.held_key, backing.held_as):
+            return None
+        self._held_open[backing.held_as] = backing
         return backing
 
     def _reply_passthrough(self, node: Node, backing: Backing) -> bytes:
@@ -632,19 +699,21 @@ class MirrorFS:
         closing = None
         with self._lock:
             opened = self._opened_locked(node)
-            gone = backing.gone  # pushed out by another open of the same file meanwhile
             if opened.backing is not None:
                 # Another open of this node won the race: the kernel insists on its file.
                 if not backing.held and backing.opens == 0:
                     closing = backing
                 fh, backing, passthrough = self._join_live_locked(opened), opened.backing, True
-            elif gone or (opened.served and not backing.readable):
+            elif (opened.served and not backing.readable) \
+                    or (in_use := self._in_use_locked(backing)) is None:
                 # Opens served here hold the node's pages and this file cannot be read here,
-                # or it is closed: read through the tree instead (a race, rare).
-                if not gone and backing.opens == 0 and not backing.held:
+                # or it was pushed out of the held files by another open meanwhile (and
+                # closed): read through the tree instead (a race, rare).
+                if not backing.held and backing.opens == 0:
                     closing = backing
                 backing = None
             else:
+                backing = in_use
                 # With opens served here holding the node's page cache, the kernel refuses
                 # a passthrough open beside them: this one is served here too.
                 passthrough = not opened.served
@@ -673,19 +742,19 @@ class MirrorFS:
             held = self._held.get_locked(key)
         located = self.tree.locate(node.relpath, attr, held=_held_as(held))
         if located.kind == "held":
-            backing = held
+            backing = Backing.held_file(key, held)
         elif located.kind == "chunks":
             return self._serve(node, located)
+        elif located.kind == "cache":
+            backing = self._hold(key, 0, located.fd, located.checked_as)
         else:
-            backing = Backing.of(located.fd, 0, located)
-            if backing.held:
-                with self._lock:
-                    out = [b for b in self._held.put_locked(key, backing) if b.opens == 0]
-                for gone in out:
-                    self._close_backing(gone)
+            backing = Backing(located.fd, 0, (located.result, located.source),
+                              readable=located.readable)
         with self._lock:
-            gone = backing.gone  # pushed out by another open meanwhile
+            in_use = self._in_use_locked(backing)  # None: pushed out by another open meanwhile
+            gone = in_use is None
             if not gone:
+                backing = in_use
                 opened = self._opened_locked(node)
                 backing.opens += 1
                 opened.served += 1
@@ -762,6 +831,8 @@ class MirrorFS:
             closing = None
             if backing is not None:
                 backing.opens -= 1
+                if backing.opens == 0 and backing.held:
+                    del self._held_open[backing.held_as]
                 if backing.opens == 0 and (not backing.held or backing.evicted):
                     closing = backing
         if closing is not None:
@@ -781,8 +852,9 @@ class MirrorFS:
 
     def drop_held(self, relpath: str, version) -> None:
         """Stop handing over a held cache file (it changed or was dropped)."""
+        key = held_key(relpath, version)
         with self._lock:
-            backing = self._held.drop_locked(held_key(relpath, version))
-            closing = backing if backing is not None and backing.opens == 0 else None
-        if closing is not None:
-            self._close_backing(closing)
+            packed = self._held.drop_locked(key)
+            out = self._push_out_locked([(key, packed)]) if packed is not None else []
+        for gone in out:
+            self._close_backing(gone)
