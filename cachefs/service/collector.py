@@ -5,12 +5,12 @@ Reference counting frees what the daemon drops; the collector is there only for 
 reference cycles, which the daemon hardly makes (a read pass over 300,000 cached files left
 fewer than 1,000 for it).  But each collection visits every container object of the
 generations it collects, and the oldest holds one or more per file the daemon keeps track of:
-a held cache file (mirror/mirrorfs.py ``Backing``), a queued fill.  With CPython's thresholds
-(700, 10, 10) a full collection comes every few ten thousand requests once such objects come
-and go: over a fill pass and two read passes of 300,000 cached files with 192,844 held, 63
-full collections of 100 to 290 ms each and 700 of the middle generation of 2 to 4 ms, 13 s
-of the serving thread, 12 to 19 us per file, every request waiting meanwhile.  At 10,000
-files: 25 ms in all.
+a queued fill, and a held cache file until those became ints (mirror/mirrorfs.py
+``HeldFile``).  With CPython's thresholds (700, 10, 10) a full collection comes every few ten
+thousand requests once such objects come and go: over a fill pass and two read passes of
+300,000 cached files with 192,844 held (an object each then), 63 full collections of 100 to
+290 ms each and 700 of the middle generation of 2 to 4 ms, 13 s of the serving thread, 12 to
+19 us per file, every request waiting meanwhile.  At 10,000 files: 25 ms in all.
 
 So collections are rarer: the youngest generation every 50,000 allocations net of frees
 (about 200 requests' worth; most of what a request allocates is freed before), the middle
