@@ -7,6 +7,9 @@ daemon's log appended to its report.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import json
 import os
 import signal
@@ -21,6 +24,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachefs.kernel import protocol as p
 from cachefs.kernel.mountpoint import find_mount, unmount
 from cachefs.service.process import wait_gone
 
@@ -33,6 +37,32 @@ def run_cachefs(*args: str, timeout: float = 60, **kwargs) -> subprocess.Complet
     """The cachefs CLI as a user runs it, in a child process."""
     return subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO, **kwargs)
+
+
+def registered_backing_ids(supervisor: int, highest: int) -> int:
+    """How many backing ids the kernel holds for the mount of ``supervisor``: each id up to
+    ``highest`` that FUSE_DEV_IOC_BACKING_CLOSE accepts (and so closes: call at the end)."""
+    fuse_fd = next(int(name) for name in os.listdir(f"/proc/{supervisor}/fd")
+                   if os.readlink(f"/proc/{supervisor}/fd/{name}") == "/dev/fuse")
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(supervisor)
+    try:
+        fd = libc.syscall(438, pidfd, fuse_fd, 0)  # pidfd_getfd
+        assert fd >= 0, os.strerror(ctypes.get_errno())
+    finally:
+        os.close(pidfd)
+    count = 0
+    try:
+        for backing_id in range(1, highest + 1):
+            try:
+                fcntl.ioctl(fd, p.DEV_IOC_BACKING_CLOSE,
+                            bytearray(backing_id.to_bytes(4, "little")), True)
+                count += 1
+            except OSError as exc:
+                assert exc.errno == errno.ENOENT, exc
+    finally:
+        os.close(fd)
+    return count
 
 
 class CachefsMount:

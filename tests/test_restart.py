@@ -7,9 +7,6 @@ The handle table alone, without a mount, first."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
-import fcntl
 import json
 import os
 import random
@@ -24,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.kernel import protocol as p
 from cachefs.kernel.mountpoint import find_mount
 from cachefs.mirror import handles as h
 from cachefs.mirror.handles import HandleTable
@@ -35,6 +31,7 @@ from tests.conftest import (
     files_written,
     fill_under_way,
     make_files,
+    registered_backing_ids,
     run_cachefs,
     shuffled_read_all,
     wait_for,
@@ -348,32 +345,6 @@ def _fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _registered_backing_ids(supervisor: int, highest: int) -> int:
-    """How many backing ids the kernel holds for the mount of ``supervisor``: each id up to
-    ``highest`` that FUSE_DEV_IOC_BACKING_CLOSE accepts (and so closes: call at the end)."""
-    fuse_fd = next(int(name) for name in os.listdir(f"/proc/{supervisor}/fd")
-                   if os.readlink(f"/proc/{supervisor}/fd/{name}") == "/dev/fuse")
-    libc = ctypes.CDLL(None, use_errno=True)
-    pidfd = os.pidfd_open(supervisor)
-    try:
-        fd = libc.syscall(438, pidfd, fuse_fd, 0)  # pidfd_getfd
-        assert fd >= 0, os.strerror(ctypes.get_errno())
-    finally:
-        os.close(pidfd)
-    count = 0
-    try:
-        for backing_id in range(1, highest + 1):
-            try:
-                fcntl.ioctl(fd, p.DEV_IOC_BACKING_CLOSE,
-                            bytearray(backing_id.to_bytes(4, "little")), True)
-                count += 1
-            except OSError as exc:
-                assert exc.errno == errno.ENOENT, exc
-    finally:
-        os.close(fd)
-    return count
-
-
 def test_three_restarts_leak_no_descriptors_and_no_backing_ids(source, remote, mount_cachefs):
     small = make_files(source, 40, 16_000, seed=5, per_dir=20)
     mount = mount_cachefs(remote.path, fraction=1.0)
@@ -396,7 +367,7 @@ def test_three_restarts_leak_no_descriptors_and_no_backing_ids(source, remote, m
     held = status["memory"]["held_files"]
     assert held == len(small)
     assert max(serving_fds) <= serving_fds[0] + 2, serving_fds
-    assert _registered_backing_ids(supervisor, highest=1000) == held
+    assert registered_backing_ids(supervisor, highest=1000) == held
 
 
 # -- cachefs upgrade ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cachefs.sizes import format_bytes
+from tests.conftest import registered_backing_ids
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,8 +67,6 @@ def test_held_files_pushed_out_while_open_are_closed_by_their_last_reader(
     """Past the bound, held cache files are let go the least recently opened first: those
     no open uses at once, those still open at their last release.  They stay readable till
     then, and the kernel is left with no backing file the daemon lost track of."""
-    from tests.test_restart import _registered_backing_ids
-
     files = make_tree(source, directories=1)  # 500 files
     mount = mount_cachefs(remote.path, held_files=64, fraction=1.0)
     passthrough = mount.status()["data_path"].startswith("kernel passthrough")
@@ -94,7 +93,7 @@ def test_held_files_pushed_out_while_open_are_closed_by_their_last_reader(
     held = mount.status()["memory"]["held_files"]
     assert 20 <= held <= 64
     if passthrough:
-        assert _registered_backing_ids(mount.supervisor_pid, highest=4 * len(names)) == held
+        assert registered_backing_ids(mount.supervisor_pid, highest=4 * len(names)) == held
     else:  # each held file a descriptor of the daemon's
         data = f"{(mount.cache_dir / 'data').resolve()}/"
         open_files = [os.readlink(f"/proc/{mount.pid}/fd/{fd}")

@@ -147,16 +147,12 @@ class Backing:
     def held(self) -> bool:
         return self.held_as != 0
 
-    @property
-    def gone(self) -> bool:
-        """Pushed out of the held files with no open using it: closed by whoever pushed it
-        out (its descriptor's number perhaps another file's by now).  Read under
-        ``MirrorFS._lock``."""
-        return self.evicted and self.opens == 0
-
     @classmethod
-    def held_file(cls, key: int, packed: int) -> Backing:
-        held = HeldFile.unpack(packed)
+    def held_file(cls, key: int, packed: int, held: HeldFile | None = None) -> Backing:
+        """The Backing of the held file ``packed`` (``held``: it unpacked, when the caller
+        has it already)."""
+        if held is None:
+            held = HeldFile.unpack(packed)
         return cls(held.fd, held.backing_id, _HIT, readable=held.fd >= 0, held_key=key,
                    held_as=packed, record=held.record)
 
@@ -252,8 +248,12 @@ class HeldFiles:
         return len(self._files)
 
 
-def _held_as(packed: int | None) -> tuple[int, int, int] | None:
-    return None if packed is None else HeldFile.unpack(packed).checked_as
+def _unpacked(packed: int | None) -> HeldFile | None:
+    return None if packed is None else HeldFile.unpack(packed)
+
+
+def _checked_as(held: HeldFile | None) -> tuple[int, int, int] | None:
+    return None if held is None else held.checked_as
 
 
 def _pack(nodeid: int, a: Attr) -> bytes:
@@ -628,16 +628,18 @@ class MirrorFS:
         if live is not None:
             self.tree.count_open(*live.reopened_as, attr.size)
             return p.open_out(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, live.backing_id)
-        located = self.tree.locate(node.relpath, attr, held=_held_as(held))
-        backing = self._backing_for(located, key, held)
+        unpacked = _unpacked(held)
+        located = self.tree.locate(node.relpath, attr, held=_checked_as(unpacked))
+        backing = self._backing_for(located, key, held, unpacked)
         if backing is None:
             return self._serve(node, located)
         return self._reply_passthrough(node, backing)
 
-    def _backing_for(self, located: Located, key: int, held: int | None) -> Backing | None:
+    def _backing_for(self, located: Located, key: int, held: int | None,
+                     unpacked: HeldFile | None) -> Backing | None:
         """The backing file for ``located``; None when it has no single local file."""
         if located.kind == "held":
-            return Backing.held_file(key, held)
+            return Backing.held_file(key, held, unpacked)
         if located.kind == "chunks":
             return None
         fd = located.fd
@@ -687,7 +689,7 @@ class MirrorFS:
         current = self._held_open.get(backing.held_as)
         if current is not None:
             return current
-        if backing.gone or not self._held.holds_locked(backing.held_key, backing.held_as):
+        if not self._held.holds_locked(backing.held_key, backing.held_as):
             return None
         self._held_open[backing.held_as] = backing
         return backing
@@ -740,9 +742,10 @@ class MirrorFS:
         key = held_key(node.relpath, attr.version)
         with self._lock:
             held = self._held.get_locked(key)
-        located = self.tree.locate(node.relpath, attr, held=_held_as(held))
+        unpacked = _unpacked(held)
+        located = self.tree.locate(node.relpath, attr, held=_checked_as(unpacked))
         if located.kind == "held":
-            backing = Backing.held_file(key, held)
+            backing = Backing.held_file(key, held, unpacked)
         elif located.kind == "chunks":
             return self._serve(node, located)
         elif located.kind == "cache":
