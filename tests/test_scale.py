@@ -107,14 +107,16 @@ def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
     names need no remote lookup; but when more names are walked than the attribute cache
     holds, a listing's names are dropped before they are looked up, and each listing only
     costs the remote and the daemon.  The daemon counts what its listings' names were used
-    for and stops listing (but for one in LISTING_PROBE_EVERY) once fewer than half were."""
-    from cachefs.remote.attrcache import LISTING_PROBE_EVERY, LISTING_TALLY_MIN
+    for and stops listing once fewer than half were, but for a directory now and then: once
+    as many names were looked up one by one as the last listing brought."""
+    from cachefs.remote.attrcache import LISTING_TALLY_MIN
     from tests.conftest import make_files
 
-    directories, per_dir = 100, 200
-    rels = make_files(source, directories * per_dir, size=1, per_dir=per_dir)
+    directories, per_dir, later = 100, 200, 10
+    rels = make_files(source, (directories + later) * per_dir, size=1, per_dir=per_dir)
     mount = mount_cachefs(remote.path, attr_cache_entries=1000, revalidate=600)
-    by_dir = [rels[d * per_dir:(d + 1) * per_dir] for d in range(directories)]
+    by_dir = [rels[d * per_dir:(d + 1) * per_dir] for d in range(directories + later)]
+    by_dir, later_dirs = by_dir[:directories], by_dir[directories:]
     before = dict(remote.stats()["ops"])
     # Across the directories, as a shuffled epoch walks them: each directory's listing comes
     # well before most of its names are looked up, by when the names of later listings
@@ -126,14 +128,29 @@ def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
     listings = remote.stats()["ops"].get("readdir", 0) - before.get("readdir", 0)
     # Each directory is decided on once (revalidate outlasts the walk): listed until the
     # tally holds LISTING_TALLY_MIN names (all but a few of each listing's dropped unused),
-    # then one in LISTING_PROBE_EVERY.  Listing every one, as before, took 100.
+    # then one per 200 names looked up one by one.  Listing every one took 100.
     assert LISTING_TALLY_MIN // per_dir <= listings <= directories // 2
     memory = mount.status()["memory"]
     assert memory["attr_listing_used_share"] < 0.5 and not memory["attr_listings_pay"]
     assert mount.metric("cachefs_attr_listing_used_ratio") == memory["attr_listing_used_share"]
     shown = subprocess.run([sys.executable, "-m", "cachefs", "status", str(mount.path)],
                            capture_output=True, text=True, timeout=30).stdout
-    assert f"one walked directory in {LISTING_PROBE_EVERY} listed" in shown
+    assert "a walked directory listed only now and then" in shown
+
+    # Then directories walked one after another, each from its first name to its last: the
+    # first is listed (it comes after many names looked up one by one), its names then found
+    # in memory; the next is not (8 names looked up one by one since that listing, which
+    # brought 200), and the rest of its names are looked up one by one; which has the third
+    # listed; and so on: every other one.  Listing all would list 10, one in 16 none or one.
+    before = dict(remote.stats()["ops"])
+    for names in later_dirs:
+        for number, name in enumerate(names):
+            assert os.lstat(mount.path / name).st_size == 1
+            if number == 7:  # the directory is decided on in the background: let it be
+                time.sleep(0.2)
+    listings = remote.stats()["ops"].get("readdir", 0) - before.get("readdir", 0)
+    assert listings == later // 2, listings
+    assert not mount.status()["memory"]["attr_listings_pay"]
 
 
 def test_the_held_files_bound_is_a_share_of_the_memory_the_daemon_may_use(

@@ -111,7 +111,7 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
         if used is not None:
             listed = "directories walked name by name listed" \
                 if memory.get("attr_listings_pay", True) \
-                else f"one walked directory in {memory.get('attr_listing_probe_every', '?')} listed"
+                else "a walked directory listed only now and then, to see whether they pay"
             rows.append(("listings", f"{used:.0%} of the names listed in the background were "
                                      f"used: {listed}"))
     verification = st.get("verification")

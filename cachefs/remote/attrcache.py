@@ -61,10 +61,15 @@ LISTED_NAMES_MAX = 4096
 # more than they save.  That is a dataset of more names than --attr-cache-entries read in a
 # random order (a million files: listing a directory after its eighth lookup brought 1,000
 # names a pass used a fifth of, 26 % of the daemon's time in a steady pass), or a pass over
-# a sample of the files.  Below that share, one walked directory in LISTING_PROBE_EVERY is
-# still listed, to see whether listings pay again (a pass over a smaller set, say).
+# a sample of the files.  Below that share a walked directory is still listed now and then,
+# to see whether listings pay again (a pass over a smaller set, say): once as many names
+# were looked up one by one since the last listing as that listing brought.  Probes so cost
+# at most a name listed per name looked up, a twentieth of what the lookups cost, whatever
+# the size of the directories, and come the sooner the faster names are looked up.  Listing
+# one in 16 walked directories instead cost 2 names listed per lookup where every directory
+# of 1,000 names is walked each interval (300,000 files in 300 directories, --revalidate 2),
+# and came only as often as directories were decided on (once per directory and interval).
 LISTING_PAYS_SHARE = 0.5
-LISTING_PROBE_EVERY = 16
 # Listed names counted (used, or dropped or due unused) before the share is trusted, and at
 # most: beyond that both counts are halved, so the share follows what the passes do now.
 LISTING_TALLY_MIN = 4096
@@ -126,10 +131,12 @@ class AttrCache:
         self._to_list: dict[str, None] = {}
         self._lister_running = False
         # Names of background listings looked up while remembered, and dropped or due
-        # unused; walked directories not listed since the last one listed.
+        # unused; names looked up one by one since the last background listing, and the
+        # names that listing brought (see LISTING_PAYS_SHARE).
         self._listed_used = 0
         self._listed_unused = 0
-        self._listings_skipped = 0
+        self._lookups_since_listing = 0
+        self._last_listing_names = 0
         # directory -> when its background listing was declined (not listed again by its
         # walk within the interval either: one decision per directory and interval).
         self._declined = RecentDirectories(max_entries)
@@ -220,6 +227,8 @@ class AttrCache:
         with self._lock:
             self._listed.put(relpath, started)
             self._walked.pop(relpath, None)
+            if tallied:
+                self._last_listing_names = len(listing)
         return [(name, kind) for name, kind, _ in listing]
 
     def refresh_directory_of(self, relpath: str) -> bool:
@@ -267,6 +276,7 @@ class AttrCache:
         """One more name of ``directory`` looked up on the remote on its own; the
         LIST_AFTER_LOOKUPS-th since its last listing has the directory listed."""
         with self._lock:
+            self._lookups_since_listing += 1
             if directory in self._to_list or directory in self._listing \
                     or self._listed.within(directory, now, self._ttl) \
                     or self._declined.within(directory, now, self._ttl):
@@ -310,15 +320,13 @@ class AttrCache:
     # -- whether background listings pay ---------------------------------------------------
 
     def _listings_pay_locked(self) -> bool:
-        """Whether a walked directory is listed now: while listings pay, and one in
-        LISTING_PROBE_EVERY otherwise (each directory is decided on once per interval)."""
-        if self.listings_pay:
-            self._listings_skipped = 0
-            return True
-        self._listings_skipped += 1
-        if self._listings_skipped < LISTING_PROBE_EVERY:
+        """Whether a walked directory is listed now: while listings pay, and otherwise once
+        the names looked up one by one since the last listing outnumber the names it brought
+        (each directory is decided on once per interval)."""
+        if not self.listings_pay \
+                and self._lookups_since_listing < self._last_listing_names:
             return False
-        self._listings_skipped = 0
+        self._lookups_since_listing = 0
         return True
 
     def _count_use(self, relpath: str, raw: bytes) -> None:

@@ -53,7 +53,7 @@ from cachefs.peer.server import PeerServer
 from cachefs.prefetch.paths import Caller, normalize, resolve
 from cachefs.prefetch.prefetcher import Prefetcher
 from cachefs.prefetch.staging import StagingArea
-from cachefs.remote.attrcache import LISTING_PROBE_EVERY, AttrCache, relpath_key
+from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.origin import RemoteOrigin
@@ -450,7 +450,6 @@ class Daemon:
             "attr_cache_capacity_entries": attrs.max_entries if attrs else 0,
             "attr_listing_used_share": attrs.listing_used_share if attrs else None,
             "attr_listings_pay": attrs.listings_pay if attrs else True,
-            "attr_listing_probe_every": LISTING_PROBE_EVERY,
             "held_files": self.fs.held_files if self.fs else 0,
             "held_files_max": self.fs.max_held_files if self.fs else 0,
             "staging_bytes_max": self.staging.capacity_bytes if self.staging else 0,
