@@ -662,11 +662,12 @@ class MirrorFS:
         least recently opened ones pushed out are closed, unless opens use them."""
         with self._lock:
             record = self.records.add_locked(0, backing_id, h.HELD) if backing_id else 0
-            packed = HeldFile(backing_id, fd, record, checked_as).packed()
+            held = HeldFile(backing_id, fd, record, checked_as)
+            packed = held.packed()
             out = self._push_out_locked(self._held.put_locked(key, packed))
         for gone in out:
             self._close_backing(gone)
-        return Backing.held_file(key, packed)
+        return Backing.held_file(key, packed, held)
 
     def _push_out_locked(self, entries: list[tuple[int, int]]) -> list[Backing]:
         """The held files of ``entries``, no longer held: those opens use are closed by the
