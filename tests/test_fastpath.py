@@ -143,8 +143,9 @@ def test_a_batch_comes_in_one_exchange_and_matches(tmp_path, source, remote, mou
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"not on the mount")
     mount = mount_cachefs(remote.path, cache_size="64MiB")
-    for rel in rels:  # cached now
+    for rel in rels:
         read_file(mount.path / rel)
+    mount.settle()  # cached now: each was filled beside its reader
     hits = mount.metric("cachefs_file_opens_total", result="hit")
     paths = [mount.path / rel for rel in rels] + [mount.path / "late.bin", outside]
     assert read_files(paths) == [(source / rel).read_bytes() for rel in rels] \
