@@ -3,11 +3,13 @@
 A snapshot is a flat dict of numbers; an epoch's figures are the difference of two.
 ``remote_*`` keys come from the emulated remote (what really crossed the "network", for any
 variant, and the emulator's own CPU); ``cachefs_*`` keys from the cachefs mount's Prometheus
-endpoint, and ``cachefs_cpu_seconds`` from its daemon's /proc/PID/stat.
+endpoint, and ``cachefs_cpu_seconds`` from its daemon's /proc/PID/stat; ``machine_*`` keys
+from /proc/stat, the whole machine's CPU time (whether an epoch left any CPU idle).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,6 +118,24 @@ def daemon_cpu_snapshot(pid: int | None) -> Snapshot:
         return {"cachefs_cpu_seconds": process_tree_cpu_seconds(pid)} if pid else {}
     except OSError:  # the daemon is gone: the epoch fails on its own
         return {}
+
+
+def machine_cpu_snapshot() -> Snapshot:
+    """The machine's CPU seconds, all CPUs together: in all, idle (waiting on I/O included),
+    and stolen by the hypervisor for other guests (a shared virtual machine).  Over an epoch,
+    what was not idle says whether the CPUs were the limit: the loader's workers, the daemon
+    and the emulated remote share them."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return {}
+    # user nice system idle iowait irq softirq steal (guest times are inside user and nice)
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = sum(fields[:8])
+    return {"machine_cpu_seconds": total / ticks,
+            "machine_idle_seconds": (fields[3] + fields[4]) / ticks,
+            "machine_steal_seconds": fields[7] / ticks if len(fields) > 7 else 0.0}
 
 
 def combined(*sources: Callable[[], Snapshot]) -> Callable[[], Snapshot]:

@@ -109,9 +109,10 @@ def _reach(variant: Variant, dataset: Dataset, remote: EmulatedRemote, settings:
         return counters.emulator_snapshot(remote.stats())
 
     if variant.kind == LOCAL:
-        return dataset.root, dict
+        return dataset.root, counters.machine_cpu_snapshot
     if variant.kind == DIRECT:
-        return remote_path(remote, dataset), emulator
+        return remote_path(remote, dataset), counters.combined(
+            emulator, counters.machine_cpu_snapshot)
     if variant.kind == CACHEFS:
         budget = cache_budget(variant.fraction, dataset)
         result["cache_size_bytes"] = budget
@@ -126,7 +127,7 @@ def _reach(variant: Variant, dataset: Dataset, remote: EmulatedRemote, settings:
             root = work / "data" / mount.path.name
         return root, counters.combined(
             emulator, lambda: counters.cachefs_snapshot(mount.metrics_text()),
-            lambda: counters.daemon_cpu_snapshot(mount.pid))
+            lambda: counters.daemon_cpu_snapshot(mount.pid), counters.machine_cpu_snapshot)
     if variant.kind == RCLONE:
         budget = cache_budget(variant.fraction, dataset)
         result["cache_size_bytes"] = budget
@@ -134,5 +135,5 @@ def _reach(variant: Variant, dataset: Dataset, remote: EmulatedRemote, settings:
         mount = mounts.enter_context(RcloneMount(
             remote_path(remote, dataset), work / "mnt", disk / "cache", cache_size_bytes=budget,
             log_file=settings.out_dir / "logs" / f"{variant.name}.log"))
-        return mount.path, emulator
+        return mount.path, counters.combined(emulator, counters.machine_cpu_snapshot)
     raise ValueError(f"unknown variant kind {variant.kind!r}")

@@ -84,7 +84,7 @@ def console_table(results: dict) -> str:
     header = (f"{'variant':<20} {'epoch':>12} {'samples/s':>10} {'ceiling':>8} {'stall':>7} "
               f"{'p99 wait':>9} "
               f"{'hit ratio':>9} {'remote MiB':>11} {'floor MiB':>10} {'daemon us/file':>14} "
-              f"{'remote us/file':>14}")
+              f"{'remote us/file':>14} {'CPUs busy':>9}")
     lines = [header, "-" * len(header)]
     for row in epoch_rows(results):
         if row["error"]:
@@ -96,8 +96,17 @@ def console_table(results: dict) -> str:
             f"{row['stall_fraction']:>7.1%} {row['wait_p99_ms']:>7.1f}ms "
             f"{_ratio(row['hit_ratio']):>9} {_mib(row['remote_bytes']):>11} "
             f"{_mib(row['floor_bytes']):>10} {_us(row['daemon_us_per_file']):>14} "
-            f"{_us(row['remote_us_per_file']):>14}")
+            f"{_us(row['remote_us_per_file']):>14} {_busy(row):>9}")
     return "\n".join(lines)
+
+
+def _busy(row: dict, stolen: bool = False) -> str:
+    """The share of the machine's CPU time not idle over the epoch (and of it stolen by the
+    hypervisor): near 100 %, the CPUs set the rate, not the path."""
+    busy = row.get("machine_busy")
+    if busy is None:
+        return "-"
+    return f"{busy:.0%}" + (f" ({row['machine_steal']:.0%})" if stolen else "")
 
 
 def _verdict_text(met: bool | None) -> str:
@@ -134,7 +143,9 @@ def markdown(results: dict, png_name: str | None) -> str:
                 "alone would allow.", ""]
     out += [f"Dataset `{d['name']}`: {d['examples']:,} examples in {d['files']:,} files, "
             f"{d['bytes'] / MIB:.0f} MiB, behind an emulated `{s['profile']}` remote "
-            "(bench/emulator/slowfs.py). "
+            + (f"with its bandwidth at {s['bandwidth_mbps']:g} MB/s "
+               if s.get("bandwidth_mbps") else "")
+            + "(bench/emulator/slowfs.py). "
             f"DataLoader: {s['workers']} workers, batch {s['batch']}, shuffled; a simulated GPU "
             f"step of {s['step_ms']:.1f} ms per batch, so a pace of {s['pace']:.0f} samples/s; "
             f"{s['epochs']} paced epoch(s) per variant"
@@ -182,11 +193,11 @@ def markdown(results: dict, png_name: str | None) -> str:
             "",
             "| variant | epoch | samples/s | ceiling | of ceiling | stall | wait p50 ms | "
             "wait p99 ms | hit ratio | remote MiB | floor MiB | daemon us/file | "
-            "remote us/file |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "remote us/file | CPUs busy (stolen) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in epoch_rows(results):
         if row["error"]:
-            out.append(f"| {row['variant']} | failed: {row['error']} | | | | | | | | | | | |")
+            out.append(f"| {row['variant']} | failed: {row['error']} | | | | | | | | | | | | |")
             continue
         remote = _mib(row["remote_bytes"])
         if row["variant"].startswith("cachefs") and row["emulator_bytes"] is not None:
@@ -196,7 +207,8 @@ def markdown(results: dict, png_name: str | None) -> str:
             f"{_rate(row['ceiling'])} | {_share(row['samples_per_second'], row['ceiling'])} | "
             f"{row['stall_fraction']:.1%} | {row['wait_p50_ms']:.1f} | {row['wait_p99_ms']:.1f} "
             f"| {_ratio(row['hit_ratio'])} | {remote} | {_mib(row['floor_bytes'])} "
-            f"| {_us(row['daemon_us_per_file'])} | {_us(row['remote_us_per_file'])} |")
+            f"| {_us(row['daemon_us_per_file'])} | {_us(row['remote_us_per_file'])} "
+            f"| {_busy(row, stolen=True)} |")
     hinted = [r for r in epoch_rows(results) if not r["error"] and r["variant"].endswith("-hints")]
     if hinted:
         out += ["", "Prefetch outcome of the hinted variants (cachefs counters per epoch; "

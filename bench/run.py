@@ -127,6 +127,7 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
     (run_dir / "remote").mkdir(parents=True, exist_ok=True)
     try:
         with EmulatedRemote(datasets_dir, run_dir / "remote", profile=settings.profile,
+                            bandwidth_mbps=settings.bandwidth_mbps,
                             log_file=settings.out_dir / "logs" / "remote.log") as remote:
             for variant in settings.variants:
                 log(f"{variant.name}:")

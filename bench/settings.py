@@ -42,6 +42,8 @@ class RunSettings:
     variant_names: str | None = None
     fps_threads: int = 8
     variant_timeout_s: float = 900.0
+    # The remote's link in MB/s, in place of its profile's (None: the profile's).
+    bandwidth_mbps: float | None = None
     variants: list = field(default_factory=list)
 
     @property
@@ -140,6 +142,9 @@ def build_parser(prog: str, description: str, *, quick_flag: bool) -> argparse.A
                       "on ResNet-50); the step is batch / pace")
     pace.add_argument("--step-ms", type=positive_float, help="simulated GPU step per batch, ms")
     p.add_argument("--profile", choices=sorted(PROFILES), help="latency profile of the remote")
+    p.add_argument("--bandwidth-mbps", type=positive_float, help="the remote's bandwidth in MB/s, "
+                   "in place of the profile's (a lower one lowers its ceiling, and with it the "
+                   "CPU an epoch at the ceiling needs)")
     p.add_argument("--variants", help="comma-separated subset, e.g. direct,cachefs-f0.2-hints "
                    "(default: all)")
     p.add_argument("--fractions", help="cachefs fractions to measure, e.g. 0,0.2,0.5,1")
@@ -165,6 +170,7 @@ def settings_from_args(parser: argparse.ArgumentParser, argv: list[str] | None,
               "shards": "shards", "epochs": "epochs", "unpaced_epochs": "unpaced_epochs",
               "workers": "workers", "batch": "batch", "pace": "pace", "profile": "profile",
               "fps_files": "fps_files", "share_rounds": "share_rounds", "seed": "seed",
+              "bandwidth_mbps": "bandwidth_mbps",
               "out": "out_dir", "work_dir": "work_dir", "variants": "variant_names"}
     for flag, attribute in simple.items():
         value = getattr(args, flag)

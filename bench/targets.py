@@ -69,7 +69,8 @@ def ceiling(results: dict, variant: dict, epoch: dict) -> float | None:
         return None
     from bench.emulator.slowfs import PROFILES
 
-    cap = PROFILES[results["settings"]["profile"]].bandwidth_mbps
+    cap = results["settings"].get("bandwidth_mbps") \
+        or PROFILES[results["settings"]["profile"]].bandwidth_mbps
     dataset = results["dataset"]
     kept = 0.0 if epoch["epoch"] == 1 or variant["kind"] != CACHEFS \
         else variant["fraction"] or 0.0
@@ -89,9 +90,24 @@ def cpu_figures(epoch: dict) -> dict:
     c = epoch["counters"]
     daemon = c.get("cachefs_cpu_seconds")
     remote, opens = c.get("remote_cpu_seconds"), c.get("remote_opens")
+    total, idle = c.get("machine_cpu_seconds"), c.get("machine_idle_seconds")
     return {"daemon_us_per_file": 1e6 * daemon / epoch["samples"]
             if daemon is not None and epoch["samples"] else None,
-            "remote_us_per_file": 1e6 * remote / opens if remote is not None and opens else None}
+            "remote_us_per_file": 1e6 * remote / opens if remote is not None and opens else None,
+            "machine_busy": 1 - idle / total if total else None,
+            "machine_steal": c.get("machine_steal_seconds", 0.0) / total if total else None}
+
+
+def _busy_text(epochs: list[dict]) -> str:
+    """"; the machine's CPUs 97 % busy" over ``epochs`` (the range), or nothing where not
+    measured: at 100 % every process of the run (loader, daemon, emulated remote) waited
+    for a CPU, so the CPUs, not the path measured, set the rate."""
+    busy = [b for e in epochs if (b := cpu_figures(e)["machine_busy"]) is not None]
+    if not busy:
+        return ""
+    low, high = min(busy), max(busy)
+    share = f"{high:.0%}" if round(100 * low) == round(100 * high) else f"{low:.0%} - {high:.0%}"
+    return f"; the machine's CPUs {share} busy"
 
 
 def steady(variant: dict) -> list[dict]:
@@ -315,7 +331,8 @@ def _first_epoch_verdict(results: dict) -> list[dict]:
         return [_verdict(target, None, "not measured", name)]
     rate, base = firsts[0]["samples_per_second"], _mean(theirs)
     return [_verdict(target, rate >= FIRST_EPOCH_OF_DIRECT * base,
-                     f"{rate / base:.2f}x ({rate:.0f} vs {base:.0f} samples/s)", name)]
+                     f"{rate / base:.2f}x ({rate:.0f} vs {base:.0f} samples/s)"
+                     + _busy_text(firsts[:1]), name)]
 
 
 def _ceiling_verdicts(results: dict) -> list[dict]:
@@ -332,14 +349,15 @@ def _ceiling_verdicts(results: dict) -> list[dict]:
         v = variants.get(name)
         epochs = [] if v is None or v["error"] else \
             [e for e in v["epochs"] if e["epoch"] == 1] if first else steady(v)
-        shares = [(e["samples_per_second"], c) for e in epochs
-                  if (c := ceiling(results, v, e))]
+        judged = [e for e in epochs if ceiling(results, v, e)]
+        shares = [(e["samples_per_second"], ceiling(results, v, e)) for e in judged]
         if not shares:
             out.append(_verdict(target, None, "not measured", name))
             continue
         worst = min(rate / c for rate, c in shares)
         out.append(_verdict(target, worst >= share, ", ".join(
-            f"{rate:.0f} of {c:.0f} samples/s ({rate / c:.0%})" for rate, c in shares), name))
+            f"{rate:.0f} of {c:.0f} samples/s ({rate / c:.0%})" for rate, c in shares)
+            + _busy_text(judged), name))
     return out
 
 

@@ -36,6 +36,8 @@ def _epoch(result: dict, name: str, number: int) -> dict:
 
 @pytest.mark.timeout(230)
 def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
+    from bench.targets import cpu_figures
+
     out = tmp_path / "results"
     run = subprocess.run(
         [sys.executable, "-m", "bench.run", "--quick", "--fractions", "0,1", "--fps-files", "100",
@@ -55,6 +57,8 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
             assert epoch["bytes_read"] == dataset_bytes
             assert epoch["samples_per_second"] > 0
             assert 0 <= epoch["stall_fraction"] <= 1
+            # The machine's CPUs over the epoch: the loop itself keeps one of them busy.
+            assert 0 < cpu_figures(epoch)["machine_busy"] <= 1
 
     for hints in ("", "-hints"):
         full = _epoch(result, f"cachefs-f1{hints}", 2)["counters"]
@@ -77,6 +81,7 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     for name in VARIANTS:
         assert f"| {name} | 2 |" in table
     assert "## Targets" in table and result["machine"]["cpu"] in table
+    assert "| CPUs busy (stolen) |" in table
     # Each speed target is judged against a baseline of the same run.
     assert "| samples/s >= 60% of local | cachefs-f1-hints | " in table
     # ... on epochs of both taken in turns, with every open a hit.
@@ -223,6 +228,21 @@ def test_a_speed_up_above_the_remotes_ceiling_is_said_to_be() -> None:
     results["variants"][1]["epochs"][0]["samples_per_second"] = 500  # 3x is 1,500: below it
     direct = _speedup_verdicts(results)[0]
     assert direct["met"] is True and "ceiling" not in direct["measured"]
+
+
+def test_the_ceiling_follows_the_bandwidth_a_run_sets() -> None:
+    from bench.targets import ceiling
+    from bench.variants import DIRECT
+
+    # 1,000 files of 100 KB: the efs profile's 200 MB/s allows 2,000 samples/s in a first
+    # epoch, a link of 50 MB/s a quarter of that.
+    results = {"settings": {"profile": "efs"},
+               "dataset": {"bytes": 100_000_000, "examples": 1000}, "variants": []}
+    direct = {"variant": "direct", "kind": DIRECT, "fraction": None}
+    first = {"epoch": 1, "paced": True}
+    assert ceiling(results, direct, first) == pytest.approx(2000)
+    results["settings"]["bandwidth_mbps"] = 50.0
+    assert ceiling(results, direct, first) == pytest.approx(500)
 
 
 @pytest.mark.timeout(60)
