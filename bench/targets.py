@@ -99,9 +99,9 @@ def cpu_figures(epoch: dict) -> dict:
 
 
 def _busy_text(epochs: list[dict]) -> str:
-    """"; the machine's CPUs 97 % busy" over ``epochs`` (the range), or nothing where not
-    measured: at 100 % every process of the run (loader, daemon, emulated remote) waited
-    for a CPU, so the CPUs, not the path measured, set the rate."""
+    """What a verdict adds on how busy the machine's CPUs were over ``epochs`` (a range), or
+    nothing where not measured: at 100 % every process of the run (loader, daemon, emulated
+    remote) waited for a CPU, so the CPUs, not the path measured, set the rate."""
     busy = [b for e in epochs if (b := cpu_figures(e)["machine_busy"]) is not None]
     if not busy:
         return ""
@@ -349,15 +349,15 @@ def _ceiling_verdicts(results: dict) -> list[dict]:
         v = variants.get(name)
         epochs = [] if v is None or v["error"] else \
             [e for e in v["epochs"] if e["epoch"] == 1] if first else steady(v)
-        judged = [e for e in epochs if ceiling(results, v, e)]
-        shares = [(e["samples_per_second"], ceiling(results, v, e)) for e in judged]
-        if not shares:
+        judged = [(e, c) for e in epochs if (c := ceiling(results, v, e))]
+        if not judged:
             out.append(_verdict(target, None, "not measured", name))
             continue
-        worst = min(rate / c for rate, c in shares)
+        worst = min(e["samples_per_second"] / c for e, c in judged)
         out.append(_verdict(target, worst >= share, ", ".join(
-            f"{rate:.0f} of {c:.0f} samples/s ({rate / c:.0%})" for rate, c in shares)
-            + _busy_text(judged), name))
+            f"{e['samples_per_second']:.0f} of {c:.0f} samples/s "
+            f"({e['samples_per_second'] / c:.0%})" for e, c in judged)
+            + _busy_text([e for e, _ in judged]), name))
     return out
 
 
