@@ -77,7 +77,9 @@ def measure_variant(variant: Variant, dataset: Dataset, remote: EmulatedRemote,
     started = time.monotonic()
     try:
         with contextlib.ExitStack() as mounts:
-            root, snapshot = _reach(variant, dataset, remote, settings, work, mounts, result)
+            root, reached = _reach(variant, dataset, remote, settings, work, mounts, result)
+            # Every variant's epochs also say how busy the machine's CPUs were.
+            snapshot = counters.combined(reached, counters.machine_cpu_snapshot)
             config = LoopConfig(
                 root=str(root), examples=[(e.path, e.offset, e.length) for e in dataset.examples],
                 whole_files=dataset.spec.kind == "images", epochs=settings.epochs,
@@ -109,10 +111,9 @@ def _reach(variant: Variant, dataset: Dataset, remote: EmulatedRemote, settings:
         return counters.emulator_snapshot(remote.stats())
 
     if variant.kind == LOCAL:
-        return dataset.root, counters.machine_cpu_snapshot
+        return dataset.root, dict
     if variant.kind == DIRECT:
-        return remote_path(remote, dataset), counters.combined(
-            emulator, counters.machine_cpu_snapshot)
+        return remote_path(remote, dataset), emulator
     if variant.kind == CACHEFS:
         budget = cache_budget(variant.fraction, dataset)
         result["cache_size_bytes"] = budget
@@ -127,7 +128,7 @@ def _reach(variant: Variant, dataset: Dataset, remote: EmulatedRemote, settings:
             root = work / "data" / mount.path.name
         return root, counters.combined(
             emulator, lambda: counters.cachefs_snapshot(mount.metrics_text()),
-            lambda: counters.daemon_cpu_snapshot(mount.pid), counters.machine_cpu_snapshot)
+            lambda: counters.daemon_cpu_snapshot(mount.pid))
     if variant.kind == RCLONE:
         budget = cache_budget(variant.fraction, dataset)
         result["cache_size_bytes"] = budget
@@ -135,5 +136,5 @@ def _reach(variant: Variant, dataset: Dataset, remote: EmulatedRemote, settings:
         mount = mounts.enter_context(RcloneMount(
             remote_path(remote, dataset), work / "mnt", disk / "cache", cache_size_bytes=budget,
             log_file=settings.out_dir / "logs" / f"{variant.name}.log"))
-        return mount.path, counters.combined(emulator, counters.machine_cpu_snapshot)
+        return mount.path, emulator
     raise ValueError(f"unknown variant kind {variant.kind!r}")
