@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +155,92 @@ def test_a_batch_comes_in_one_exchange_and_matches(tmp_path, source, remote, mou
     assert mount.metric("cachefs_file_opens_total", result="miss") == len(rels) + 1
     with pytest.raises(FileNotFoundError):
         read_files([mount.path / rels[0], mount.path / "missing.bin"])
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_a_batch_waits_for_its_hints_turn_and_shares_those_fetches(source, remote,
+                                                                   mount_cachefs, fraction):
+    """A DataLoader worker asks for its whole batch at once while the hints of its files
+    still wait for the prefetch: the batch waits for the prefetch to take them, in the order
+    they were hinted, and shares those fetches.  No hint is passed by its reader, and every
+    file comes from the remote once, kept (f = 1) or not (f = 0)."""
+    from cachefs_client import send_hints
+
+    rels = make_files(source, 24, size=100_000)
+    (source / "blocker.bin").write_bytes(b"b" * 1000)
+    mount = mount_cachefs(remote.path, cache_size="64MiB", fraction=fraction,
+                          prefetch_concurrency=1)
+    for rel in [*rels, "blocker.bin"]:
+        os.stat(mount.path / rel)  # looked up: a prefetch goes straight to the open
+    remote.configure(open_ms=2)  # opens with a round trip: the workers set the order
+    remote.set_fault("hang", ops=["open"], glob="blocker.bin")
+    got: dict[str, list[bytes]] = {}
+    batch = rels[12:]  # the second batch: the first one's hints are ahead of it
+    reader = threading.Thread(
+        target=lambda: got.update(batch=read_files([mount.path / rel for rel in batch])))
+    try:
+        assert send_hints([mount.path / "blocker.bin"]) == 1
+        wait_for(lambda: remote.stats()["hung_now"] == 1, what="the one worker held")
+        assert send_hints([mount.path / rel for rel in rels]) == len(rels)
+        wait_for(lambda: mount.metric("cachefs_prefetch_queued_files") == len(rels),
+                 what="the hints queued")
+        reader.start()
+        time.sleep(0.5)
+        assert reader.is_alive(), "the batch did not wait for its hints' turn"
+    finally:
+        remote.clear_faults()
+        reader.join(timeout=60)
+    assert got["batch"] == [(source / rel).read_bytes() for rel in batch]
+    assert read_files([mount.path / rel for rel in rels[:12]]) == \
+        [(source / rel).read_bytes() for rel in rels[:12]]
+    wait_for(lambda: mount.metric("cachefs_hints_total", result="accepted") == len(rels) + 1,
+             what="every hint acted on")
+    assert mount.metric("cachefs_hints_total", result="dropped") == 0
+    mount.settle()
+    total = sum((source / rel).stat().st_size for rel in rels) + 1000
+    assert remote.stats()["read_bytes"] == total
+    assert mount.metric("cachefs_remote_read_bytes_total") == total
+
+
+def test_a_batch_takes_what_its_hint_staged_past_the_next_epochs_hint(source, remote,
+                                                                       mount_cachefs):
+    """The next epoch's hints come as this one starts: a file whose hint for this epoch was
+    acted on (staged) has a second hint queued, far behind.  Its batch takes the staged copy
+    without waiting for that hint's turn, and leaves it queued for the next read."""
+    from cachefs_client import send_hints
+
+    data = os.urandom(100_000)
+    (source / "z.bin").write_bytes(data)
+    (source / "blocker.bin").write_bytes(b"b" * 1000)
+    mount = mount_cachefs(remote.path, cache_size="64MiB", fraction=0.0,
+                          prefetch_concurrency=1)
+    for rel in ("z.bin", "blocker.bin"):
+        os.stat(mount.path / rel)
+    remote.configure(open_ms=2)
+    assert send_hints([mount.path / "z.bin"]) == 1
+    wait_for(lambda: mount.metric("cachefs_staging_bytes") == len(data), what="z.bin staged")
+    remote.set_fault("hang", ops=["open"], glob="blocker.bin")
+    got: dict[str, list[bytes]] = {}
+    reader = threading.Thread(
+        target=lambda: got.update(batch=read_files([mount.path / "z.bin"])))
+    try:
+        assert send_hints([mount.path / "blocker.bin", mount.path / "z.bin"]) == 2
+        wait_for(lambda: remote.stats()["hung_now"] == 1, what="the one worker held")
+        wait_for(lambda: mount.metric("cachefs_prefetch_queued_files") == 1,
+                 what="the next epoch's hint queued")
+        reader.start()
+        reader.join(timeout=10)  # while the worker is still held
+        assert not reader.is_alive(), "the batch waited for the next epoch's hint"
+    finally:
+        remote.clear_faults()
+        reader.join(timeout=60)
+    assert got["batch"] == [data]
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 1
+    wait_for(lambda: mount.metric("cachefs_hints_total", result="accepted") == 3,
+             what="z.bin staged again for its next read")
+    assert read_files([mount.path / "z.bin"]) == [data]
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 2
+    assert mount.metric("cachefs_hints_total", result="dropped") == 0
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "grow"])

@@ -239,10 +239,13 @@ def _reading_in(source, remote, mount_cachefs, mbps: float):
 
     mount, data = _not_kept(source, remote, mount_cachefs, "big.bin", seed=5)
     remote.configure(bandwidth_mbps=mbps)
+    reads = remote.stats()["ops"].get("read", 0)
     assert send_hints([mount.path / "big.bin"]) == 1
-    # Asked of /metrics, not of `cachefs status`: a process started per look can take longer
-    # than the read-in on a busy machine, and miss it.
-    wait_for(lambda: mount.metric("cachefs_prefetch_inflight_files") == 1, interval=0.02,
+    # The read-in's first read at the remote, not the prefetch merely begun (which on a busy
+    # machine may still be opening the file as the reader comes: a reader before the
+    # read-in); asked of the remote's control socket every 20 ms, not of a `cachefs status`
+    # process per look, which can take longer than the read-in.
+    wait_for(lambda: remote.stats()["ops"].get("read", 0) > reads, interval=0.02,
              what="the read-in under way")
     return mount, data
 

@@ -184,7 +184,8 @@ class CachedTree:
         # be seen by the lookup below, not fetched a second time.
         prefetched = None
         if self.prefetcher is not None:
-            prefetched = self.prefetcher.on_open(relpath, attr, self.remote.timeout_seconds)
+            prefetched = self.prefetcher.on_open(relpath, attr, self.remote.timeout_seconds,
+                                                 in_turn=not fetch)
         cache_result, cache_source = "hit", "cache"
         if prefetched is not None and prefetched.into_cache:
             cache_result, cache_source = "prefetched", "prefetch"
