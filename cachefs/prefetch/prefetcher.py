@@ -349,11 +349,11 @@ class Prefetcher:
                 self._waiting_turns -= 1
 
     def _served_earlier_locked(self, relpath: str) -> bool:
-        """Whether an earlier hint of the file is being acted on or was, not read yet: the
-        reader's is that one, and a hint queued is for a later read (the next epoch's, sent
-        as this one starts, 0.2 s into a 4 s epoch), whose turn the reader does not wait
-        for (3.3 s, waited so, for the first batch of a hinted first epoch at f = 0.2) and
-        which it does not pass."""
+        """Whether an earlier hint of the file is being acted on, or was and its file is not
+        read yet: the reader's hint is that one, and a hint queued is for a later read (the
+        next epoch's, sent 0.2 s into a 4 s epoch), which the reader neither waits for nor
+        passes.  (Waiting for it held the first batch of a hinted first epoch at f = 0.2 for
+        3.3 s, the whole queue's time.)"""
         return relpath in self._active or relpath in self._unused or relpath in self.staging
 
     def _taken_locked(self) -> None:
