@@ -391,6 +391,31 @@ def test_a_file_hinted_as_a_reader_opens_it_is_counted_once(source, remote, moun
     assert mount.metric("cachefs_remote_read_bytes_total") == 2 * len(data)
 
 
+def test_a_file_read_from_its_staged_copy_and_hinted_again_is_copied_again(
+        source, remote, mount_cachefs):
+    """This epoch's reader reads a file from its staged copy in memory, and the next epoch's
+    hint for it comes just after: none of the remote file's pages are on their way to that
+    reader (they were dropped, as at an epoch's start), so the hint copies the file in again
+    rather than stage the remote's own file, and its next reader reads memory."""
+    from cachefs_client import send_hints
+
+    mount, data = _not_kept(source, remote, mount_cachefs, "w.bin", seed=31)
+    before = remote.stats()["read_bytes"]
+    assert send_hints([mount.path / "w.bin"]) == 1
+    wait_for(lambda: mount.status()["hints"]["accepted"] == 1, what="w.bin staged")
+    drop_page_cache()
+    assert _whole(mount.path / "w.bin") == data  # the copy in memory
+    assert send_hints([mount.path / "w.bin"]) == 1
+    wait_for(lambda: mount.status()["hints"]["accepted"] == 2,
+             what="w.bin staged for its next read")
+    assert remote.stats()["read_bytes"] - before == 2 * len(data)  # copied in again
+    drop_page_cache()
+    assert _whole(mount.path / "w.bin") == data
+    assert mount.metric("cachefs_file_opens_total", result="prefetched") == 2
+    assert remote.stats()["read_bytes"] - before == 2 * len(data)  # nothing more
+    assert mount.metric("cachefs_remote_read_bytes_total") == 2 * len(data)
+
+
 def test_a_file_hinted_for_two_reads_while_queued_is_staged_for_the_second(
         source, remote, mount_cachefs):
     """The end of one epoch and the start of the next name the same file while its first
