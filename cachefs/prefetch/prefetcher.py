@@ -22,8 +22,7 @@ A DataLoader worker asking for its whole batch at once (the fast path) does not 
 hints of its files still queued: it waits for each to be taken, in the order the hints came,
 and shares that fetch (``Prefetcher._wait_for_turn``).
 
-Lock order: ``Prefetcher._cond`` (``_turns`` shares its lock) before ``StagingArea._cond``;
-neither is held across I/O.
+Lock order: ``Prefetcher._cond`` before ``StagingArea._cond``; neither is held across I/O.
 """
 
 from __future__ import annotations
@@ -174,12 +173,11 @@ class Prefetched:
 class Prefetcher:
     """Hint intake and the prefetch workers.
 
-    Thread safety: ``_cond`` guards ``_queue``, ``_active``, ``_unused`` and
-    ``_waiting_turns``; intake and readers only ever hold it briefly.  ``_turns`` is a
-    condition on the same lock, for the readers waiting for their hints' turn (kept apart
-    from the workers' waits, so that a notify meant for a worker never wakes a reader).
-    ``_active`` holds a path while one worker acts on it (intake joins a path's later hints
-    to it), so its length is the workers at work.
+    Thread safety: ``_cond`` guards ``_queue``, ``_active``, ``_unused`` and ``_turns``;
+    intake and readers only ever hold it briefly.  A reader waits for its hint's turn on an
+    event of its own in ``_turns``, set as the hint leaves the queue.  ``_active`` holds a
+    path while one worker acts on it (intake joins a path's later hints to it), so its
+    length is the workers at work.
     """
 
     def __init__(self, *, mountpoint: str, store: CacheStore, fetcher: Fetcher, remote: Remote,
@@ -198,10 +196,9 @@ class Prefetcher:
                                                              "dropped")}
         self._outcome = {r: metrics.prefetch_files.labels(r) for r in ("used", "wasted",
                                                                        "failed")}
-        lock = threading.Lock()
-        self._cond = threading.Condition(lock)  # workers wait here for hints
-        self._turns = threading.Condition(lock)  # readers wait here for their hint's turn
-        self._waiting_turns = 0
+        self._cond = threading.Condition()
+        # Readers waiting for their file's hint to leave the queue: path -> set as it does.
+        self._turns: dict[str, threading.Event] = {}
         self._queue = _HintQueue()
         # Files being prefetched now, from the moment a worker takes the hint.
         self._active: dict[str, _Active] = {}
@@ -227,7 +224,8 @@ class Prefetcher:
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
-            self._turns.notify_all()
+            for turn in self._turns.values():
+                turn.set()
 
     # -- intake (control connections) ---------------------------------------------------
 
@@ -282,7 +280,7 @@ class Prefetcher:
                 else self._queue.pop(relpath)
             passed = queued is not None
             if passed:
-                self._taken_locked()
+                self._taken_locked(relpath)
             if passed and queued.reads > 1 and not self._keeps(relpath):
                 queued.reads -= 1
                 self._queue.add(relpath, queued)
@@ -343,14 +341,16 @@ class Prefetcher:
         with self._cond:
             if self._queue.get(relpath) is None or self._served_earlier_locked(relpath):
                 return
-            self._waiting_turns += 1
+            turn = self._turns.get(relpath)
+            if turn is None:
+                turn = self._turns[relpath] = threading.Event()
         try:
-            with remotewait.waiting(remote_call=False), self._turns:
-                self._turns.wait_for(
-                    lambda: self._closed or self._queue.get(relpath) is None, timeout)
+            with remotewait.waiting(remote_call=False):
+                turn.wait(timeout)
         finally:
             with self._cond:
-                self._waiting_turns -= 1
+                if self._turns.get(relpath) is turn:
+                    del self._turns[relpath]
 
     def _served_earlier_locked(self, relpath: str) -> bool:
         """Whether an earlier hint of the file is being acted on, or was and its file is not
@@ -360,10 +360,13 @@ class Prefetcher:
         3.3 s, the whole queue's time.)"""
         return relpath in self._active or relpath in self._unused or relpath in self.staging
 
-    def _taken_locked(self) -> None:
-        """Hints left the queue: tell the readers waiting for theirs."""
-        if self._waiting_turns:
-            self._turns.notify_all()
+    def _taken_locked(self, relpath: str) -> None:
+        """The hint of ``relpath`` left the queue: tell the readers waiting for it (only
+        them: woken all at every hint taken, 8 connections' threads took turns at the
+        interpreter lock some 3,000 times an epoch for nothing)."""
+        turn = self._turns.pop(relpath, None)
+        if turn is not None:
+            turn.set()
 
     @staticmethod
     def _wait_for_prefetch(active: _Active, timeout: float) -> bool:
@@ -455,7 +458,7 @@ class Prefetcher:
                 if self._closed:
                     return
                 relpath, hint = self._queue.pop_oldest()
-                self._taken_locked()
+                self._taken_locked(relpath)
                 stale = time.monotonic() - hint.received_at > HINT_TTL_SECONDS
                 active = None if stale else _Active(threading.Event(),
                                                     extra_hints=hint.reads - 1)
@@ -533,7 +536,8 @@ class Prefetcher:
         settled = [relpath for relpath, hint in queued if self._known_cached(relpath, hint.caller)]
         with self._cond:
             taken = [self._queue.pop(relpath) for relpath in settled]
-            self._taken_locked()
+            for relpath in settled:
+                self._taken_locked(relpath)
         self._hints["cached"].inc(sum(hint.reads for hint in taken if hint is not None))
 
     def _known_cached(self, relpath: str, caller: Caller | None) -> bool:
