@@ -198,9 +198,12 @@ def test_a_batch_waits_for_its_hints_turn_and_shares_those_fetches(source, remot
              what="every hint acted on")
     assert mount.metric("cachefs_hints_total", result="dropped") == 0
     mount.settle()
+    # Each file once: a reader that came as its hint was taken opens the file beside the
+    # prefetch, and their concurrent reads may fetch (and count) a page of it twice, or
+    # count one a moment late; never a whole file.
     total = sum((source / rel).stat().st_size for rel in rels) + 1000
-    assert remote.stats()["read_bytes"] == total
-    assert mount.metric("cachefs_remote_read_bytes_total") == total
+    assert total <= remote.stats()["read_bytes"] < total + 100_000
+    assert abs(mount.metric("cachefs_remote_read_bytes_total") - total) < 100_000
 
 
 def test_a_batch_takes_what_its_hint_staged_past_the_next_epochs_hint(source, remote,
