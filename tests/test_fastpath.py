@@ -198,12 +198,14 @@ def test_a_batch_waits_for_its_hints_turn_and_shares_those_fetches(source, remot
              what="every hint acted on")
     assert mount.metric("cachefs_hints_total", result="dropped") == 0
     mount.settle()
-    # Each file once: a reader that came as its hint was taken opens the file beside the
-    # prefetch, and their concurrent reads may fetch (and count) a page of it twice, or
-    # count one a moment late; never a whole file.
+    # Fetched once, not once by the batch and again by the prefetch: a reader that came as
+    # its hint was taken opens the file beside the prefetch's fill or read-in, and the two
+    # first opens of a file, racing, may make the remote's client drop what one of them
+    # read (a file of the 24, now and then, at f = 1), as a second fetch of every file
+    # would not be.
     total = sum((source / rel).stat().st_size for rel in rels) + 1000
-    assert total <= remote.stats()["read_bytes"] < total + 100_000
-    assert abs(mount.metric("cachefs_remote_read_bytes_total") - total) < 100_000
+    assert total <= remote.stats()["read_bytes"] < 1.25 * total
+    assert 0.75 * total < mount.metric("cachefs_remote_read_bytes_total") < 1.25 * total
 
 
 def test_a_batch_takes_what_its_hint_staged_past_the_next_epochs_hint(source, remote,
