@@ -843,10 +843,13 @@ class SlowFS(Filesystem):
         self._handles[fd] = Handle(fd, src, (st.st_dev, st.st_ino))
         self.emu.opened()
         # Close-to-open: the pages the kernel holds stay while the file is the one they were
-        # read from; without FOPEN_KEEP_CACHE the kernel drops them at this open.
+        # read from; without FOPEN_KEEP_CACHE the kernel drops them at this open.  A node's
+        # first open keeps them too: it has none from before, and the kernel drops them as
+        # the opener wakes, which may come after a second open's reads (a reader beside a
+        # fill): those pages were then fetched twice.
         found = _same_file(st)
         with self._lock:
-            keep = node.opened == found
+            keep = node.opened is None or node.opened == found
             node.opened = found
         return p.open_out(fd, p.FOPEN_KEEP_CACHE if keep else 0)
 
