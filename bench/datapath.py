@@ -2,9 +2,13 @@
 
 The figure the data path is judged by is the daemon's own CPU per file (user + system, from
 /proc/PID/stat): on a node it is shared with the training job's workers, and under one GIL
-it also caps the files/s of a whole mount.  Each path is measured with READERS reader
-processes (open, read whole, close, as DataLoader workers do) over FILES files of SIZE bytes,
-the page cache dropped before each pass unless the path says otherwise:
+it also caps the files/s of a whole mount.  Beside it, the memory the daemon kept per file
+over the pass (VmRSS from /proc/PID/status, after the pass less before it; the memory
+files of staged hints are not mapped, so not in it: ``--staging-size`` bounds them).
+
+Each path is measured with READERS reader processes (open, read whole, close, as DataLoader
+workers do) over FILES files of SIZE bytes, the page cache dropped before each pass unless
+the path says otherwise:
 
 * ``fill``: a file the cache keeps, read for the first time (fetched whole, stored, handed
   over);
@@ -81,6 +85,25 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far, its threads and the processes it
     started (fill processes) included."""
     return process_tree_cpu_seconds(pid)
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` and of every process it started (a daemon's
+    fill processes)."""
+    with open(f"/proc/{pid}/status") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = f.read().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                total += rss_bytes(int(child))
+            except (OSError, StopIteration):  # ended meanwhile
+                pass
+    return total
 
 
 def _read_files(paths: list[str]) -> int:
@@ -160,19 +183,22 @@ def make_files(root: Path, count: int, size: int) -> list[str]:
 
 
 class Measurement:
-    """(files/s, daemon CPU us per file, remote CPU us per file) samples by (variant, path)."""
+    """(files/s, daemon CPU us per file, daemon memory kept per file in bytes, remote CPU us
+    per file) samples by (variant, path)."""
 
     def __init__(self) -> None:
-        self.samples: dict[tuple[str, str], list[tuple[float, float | None, float | None]]] = \
+        self.samples: dict[tuple[str, str], list[tuple[float | None, ...]]] = \
             defaultdict(list)
 
     def add(self, variant: str, path: str, files: int, seconds: float,
-            daemon_cpu: float | None, remote_cpu: float | None) -> None:
+            daemon_cpu: float | None, remote_cpu: float | None,
+            daemon_rss_growth: int | None = None) -> None:
         def per_file(cpu: float | None) -> float | None:
             return None if cpu is None else cpu / files * 1e6
 
+        kept = None if daemon_rss_growth is None else daemon_rss_growth / files
         self.samples[(variant, path)].append(
-            (files / seconds, per_file(daemon_cpu), per_file(remote_cpu)))
+            (files / seconds, per_file(daemon_cpu), kept, per_file(remote_cpu)))
 
     def table(self) -> str:
         def span(values: list[float | None], fmt: str) -> str:
@@ -183,12 +209,13 @@ class Measurement:
             return format(low, fmt) if f"{low:{fmt}}" == f"{high:{fmt}}" \
                 else f"{low:{fmt}} - {high:{fmt}}"
 
-        lines = ["| variant | path | files/s | daemon CPU per file (us) | remote CPU per file "
-                 "(us) |", "|---|---|---|---|---|"]
+        lines = ["| variant | path | files/s | daemon CPU per file (us) | daemon memory kept "
+                 "per file (B) | remote CPU per file (us) |", "|---|---|---|---|---|---|"]
         for (variant, path), rows in self.samples.items():
-            rate, daemon, remote = zip(*rows, strict=True)
+            rate, daemon, kept, remote = zip(*rows, strict=True)
             lines.append(f"| {variant} | {path} | {span(list(rate), ',.0f')} | "
-                         f"{span(list(daemon), ',.0f')} | {span(list(remote), ',.0f')} |")
+                         f"{span(list(daemon), ',.0f')} | {span(list(kept), ',.0f')} | "
+                         f"{span(list(remote), ',.0f')} |")
         return "\n".join(lines)
 
 
@@ -198,16 +225,19 @@ def _measure_pass(m: Measurement, readers: Readers, variant: str, path: str, roo
                   settle: Callable[[], None] | None = None) -> None:
     """One pass: files/s as the readers saw it; the CPU of the daemon (and the remote) until
     the pass's fills are done too (``settle``: a kept file handed to the kernel is copied
-    into the cache beside its reader, and may finish after it)."""
+    into the cache beside its reader, and may finish after it); and the daemon's resident
+    memory after the pass less before it."""
+    rss_before = rss_bytes(daemon_pid) if daemon_pid else None
     before = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
     seconds, read = readers.read_pass(root, names, seed=seed, drop=drop, path=path)
     if settle is not None:
         settle()
     after = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
+    rss_growth = rss_bytes(daemon_pid) - rss_before if daemon_pid else None
     if read != expect_bytes:
         raise SystemExit(f"datapath: {variant}/{path} read {read} bytes, expected {expect_bytes}")
     used = [None if b is None else a - b for a, b in zip(after, before, strict=True)]
-    m.add(variant, path, len(names), seconds, *used)
+    m.add(variant, path, len(names), seconds, *used, daemon_rss_growth=rss_growth)
 
 
 def run(args: argparse.Namespace) -> Measurement:
