@@ -66,7 +66,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.driver import drop_page_cache
-from bench.emulator.remote import EmulatedRemote, process_tree_cpu_seconds
+from bench.emulator.remote import EmulatedRemote, process_tree_cpu_seconds, process_tree_rss_bytes
 from bench.mounts import REPO, CachefsMount, ScratchDisk
 from cachefs.prefetch.prefetcher import RECENT_OPEN_SECONDS
 from cachefs.sizes import parse_size
@@ -85,25 +85,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far, its threads and the processes it
     started (fill processes) included."""
     return process_tree_cpu_seconds(pid)
-
-
-def rss_bytes(pid: int) -> int:
-    """The resident memory of process ``pid`` and of every process it started (a daemon's
-    fill processes)."""
-    with open(f"/proc/{pid}/status") as f:
-        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children = f.read().split()
-        except OSError:
-            continue
-        for child in children:
-            try:
-                total += rss_bytes(int(child))
-            except (OSError, StopIteration):  # ended meanwhile
-                pass
-    return total
 
 
 def _read_files(paths: list[str]) -> int:
@@ -227,13 +208,13 @@ def _measure_pass(m: Measurement, readers: Readers, variant: str, path: str, roo
     the pass's fills are done too (``settle``: a kept file handed to the kernel is copied
     into the cache beside its reader, and may finish after it); and the daemon's resident
     memory after the pass less before it."""
-    rss_before = rss_bytes(daemon_pid) if daemon_pid else None
+    rss_before = process_tree_rss_bytes(daemon_pid) if daemon_pid else None
     before = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
     seconds, read = readers.read_pass(root, names, seed=seed, drop=drop, path=path)
     if settle is not None:
         settle()
     after = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
-    rss_growth = rss_bytes(daemon_pid) - rss_before if daemon_pid else None
+    rss_growth = process_tree_rss_bytes(daemon_pid) - rss_before if daemon_pid else None
     if read != expect_bytes:
         raise SystemExit(f"datapath: {variant}/{path} read {read} bytes, expected {expect_bytes}")
     used = [None if b is None else a - b for a, b in zip(after, before, strict=True)]

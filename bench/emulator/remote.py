@@ -196,22 +196,41 @@ def process_tree_cpu_seconds(pid: int) -> float:
     fill processes): the live ones from their own /proc/PID/stat, the ended ones from the
     parent's account of its waited-for children (cutime and cstime)."""
     total = sum(_cpu_ticks(pid)) / os.sysconf("SC_CLK_TCK")
+    for child in _children(pid):
+        try:
+            total += process_tree_cpu_seconds(child)
+        except OSError:  # ended meanwhile: counted once waited for
+            pass
+    return total
+
+
+def process_tree_rss_bytes(pid: int) -> int:
+    """The resident memory (VmRSS) of process pid and of every live process it started."""
+    with open(f"/proc/{pid}/status") as f:
+        total = next((int(line.split()[1]) * 1024 for line in f
+                      if line.startswith("VmRSS:")), 0)  # none once a zombie
+    for child in _children(pid):
+        try:
+            total += process_tree_rss_bytes(child)
+        except OSError:  # ended meanwhile
+            pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    """The processes pid started that still run, from each of its threads' list."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return total
+        return []
+    children = []
     for task in tasks:
         try:
             with open(f"/proc/{pid}/task/{task}/children") as f:
-                children = f.read().split()
+                children.extend(int(child) for child in f.read().split())
         except OSError:
             continue
-        for child in children:
-            try:
-                total += process_tree_cpu_seconds(int(child))
-            except OSError:  # ended meanwhile: counted once waited for
-                pass
-    return total
+    return children
 
 
 def _tail(log_path: Path, start: int, limit: int = 4000) -> str:
