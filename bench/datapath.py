@@ -247,6 +247,8 @@ def run(args: argparse.Namespace) -> Measurement:
                 _measure_pass(m, readers, "-", "remote", remote_path, names, daemon_pid=None,
                               remote_pid=remote_pid, seed=seed, expect_bytes=total)
             trees = [("", REPO)] + ([("@baseline", args.baseline)] if args.baseline else [])
+            if repeat % 2:  # each checkout first in every other round: no order favours one
+                trees.reverse()
             for variant, (suffix, tree) in itertools.product(args.variants, trees):
                 label = variant + suffix
                 for fraction, paths in ((1.0, KEPT_PATHS), (0.0, NOT_KEPT_PATHS)):
