@@ -50,6 +50,7 @@ from bench.counters import gc_seconds
 from bench.datapath import cpu_seconds
 from bench.driver import drop_page_cache
 from bench.emulator import slowfs
+from bench.emulator.remote import process_rss_bytes
 from bench.mounts import REPO, CachefsMount, ScratchDisk, _cli_env
 from bench.peakrss import run_with_peak_rss
 from bench.run import measure_this_tree, measured
@@ -197,11 +198,10 @@ class Readers:
 # -- what is measured -----------------------------------------------------------------------
 
 def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+    rss = process_rss_bytes(pid)
+    if rss is None:
+        raise RuntimeError(f"no VmRSS for {pid}")
+    return rss
 
 
 def allocated_bytes(path: Path) -> int:

@@ -14,6 +14,7 @@ import mmap
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -569,7 +570,7 @@ def test_two_first_opens_at_once_fetch_a_file_once(tmp_path: Path, source: Path,
     remote.configure(open_ms=2)
     for name in names:
         os.stat(remote.path / name)  # looked up: the two opens go straight to OPEN
-    busy = [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(3)]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     try:
         before = remote.stats()["read_bytes"]
         for name in names:

@@ -204,11 +204,16 @@ def process_tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def process_rss_bytes(pid: int) -> int | None:
+    """The resident memory (VmRSS) of process pid; None once it is a zombie."""
+    with open(f"/proc/{pid}/status") as f:
+        return next((int(line.split()[1]) * 1024 for line in f
+                     if line.startswith("VmRSS:")), None)
+
+
 def process_tree_rss_bytes(pid: int) -> int:
     """The resident memory (VmRSS) of process pid and of every live process it started."""
-    with open(f"/proc/{pid}/status") as f:
-        total = next((int(line.split()[1]) * 1024 for line in f
-                      if line.startswith("VmRSS:")), 0)  # none once a zombie
+    total = process_rss_bytes(pid) or 0
     for child in _children(pid):
         try:
             total += process_tree_rss_bytes(child)
