@@ -5,6 +5,9 @@ The figure the data path is judged by is the daemon's own CPU per file (user + s
 it also caps the files/s of a whole mount.  Beside it, the memory the daemon kept per file
 over the pass (VmRSS from /proc/PID/status, after the pass less before it; the memory
 files of staged hints are not mapped, so not in it: ``--staging-size`` bounds them).
+And what a reader waits for, per file: its open (the name's lookup and the open itself: the
+wait before its first byte) and its reads, in milliseconds, beside the same on the remote read
+directly (the ``read_files`` paths open and read in one call: no split).
 
 Each path is measured with READERS reader processes (open, read whole, close, as DataLoader
 workers do) over FILES files of SIZE bytes, the page cache dropped before each pass unless
@@ -64,6 +67,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from bench.driver import drop_page_cache
 from bench.emulator.remote import EmulatedRemote, process_tree_cpu_seconds, process_tree_rss_bytes
@@ -87,29 +91,42 @@ def cpu_seconds(pid: int) -> float:
     return process_tree_cpu_seconds(pid)
 
 
-def _read_files(paths: list[str]) -> int:
-    total = 0
+class Share(NamedTuple):
+    """What one reader did in a pass: bytes read, and seconds in opens and in reads (None
+    where the two are one call)."""
+
+    read: int
+    opening: float | None = None
+    reading: float | None = None
+
+
+def _read_files(paths: list[str]) -> Share:
+    total = opening = reading = 0.0
     for path in paths:
+        started = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
+            opened = time.perf_counter()
             while chunk := f.read(1 << 20):
                 total += len(chunk)
-    return total
+            reading += time.perf_counter() - opened
+        opening += opened - started
+    return Share(int(total), opening, reading)
 
 
-def _read_files_hinted(paths: list[str]) -> int:
+def _read_files_hinted(paths: list[str]) -> Share:
     from cachefs_client import send_hints
 
     send_hints(paths)
     return _read_files(paths)
 
 
-def _read_files_client(paths: list[str]) -> int:
+def _read_files_client(paths: list[str]) -> Share:
     from cachefs_client import read_files
 
     total = 0
     for first in range(0, len(paths), CLIENT_BATCH):
         total += sum(len(data) for data in read_files(paths[first:first + CLIENT_BATCH]))
-    return total
+    return Share(total)
 
 
 READERS = {"client": _read_files_client, "client not kept": _read_files_client,
@@ -128,16 +145,21 @@ class Readers:
         self._pool = multiprocessing.get_context("fork").Pool(count)
 
     def read_pass(self, root: Path, names: list[str], *, seed: int, drop: bool = True,
-                  path: str = "") -> tuple[float, int]:
-        """Read every file once, shuffled, as ``path`` says; (seconds, bytes)."""
+                  path: str = "") -> tuple[float, Share]:
+        """Read every file once, shuffled, as ``path`` says; the seconds it took, and what
+        the readers did together."""
         order = [str(root / name) for name in names]
         random.Random(seed).shuffle(order)
         shares = [order[i::self.count] for i in range(self.count)]
         if drop:
             drop_page_cache()
         started = time.perf_counter()
-        read = sum(self._pool.map(READERS.get(path, _read_files), shares))
-        return time.perf_counter() - started, read
+        done = self._pool.map(READERS.get(path, _read_files), shares)
+        seconds = time.perf_counter() - started
+        split = all(share.opening is not None for share in done)
+        return seconds, Share(sum(share.read for share in done),
+                              sum(share.opening for share in done) if split else None,
+                              sum(share.reading for share in done) if split else None)
 
     def close(self) -> None:
         self._pool.terminate()
@@ -165,7 +187,7 @@ def make_files(root: Path, count: int, size: int) -> list[str]:
 
 class Measurement:
     """(files/s, daemon CPU us per file, daemon memory kept per file in bytes, remote CPU us
-    per file) samples by (variant, path)."""
+    per file, a reader's ms per open and per file's reads) samples by (variant, path)."""
 
     def __init__(self) -> None:
         self.samples: dict[tuple[str, str], list[tuple[float | None, ...]]] = \
@@ -173,13 +195,15 @@ class Measurement:
 
     def add(self, variant: str, path: str, files: int, seconds: float,
             daemon_cpu: float | None, remote_cpu: float | None,
-            daemon_rss_growth: int | None = None) -> None:
-        def per_file(cpu: float | None) -> float | None:
-            return None if cpu is None else cpu / files * 1e6
+            daemon_rss_growth: int | None = None, waits: Share | None = None) -> None:
+        def per_file(total: float | None, unit: float) -> float | None:
+            return None if total is None else total / files * unit
 
         kept = None if daemon_rss_growth is None else daemon_rss_growth / files
+        opening, reading = (waits.opening, waits.reading) if waits else (None, None)
         self.samples[(variant, path)].append(
-            (files / seconds, per_file(daemon_cpu), kept, per_file(remote_cpu)))
+            (files / seconds, per_file(daemon_cpu, 1e6), kept, per_file(remote_cpu, 1e6),
+             per_file(opening, 1e3), per_file(reading, 1e3)))
 
     def table(self) -> str:
         def span(values: list[float | None], fmt: str) -> str:
@@ -191,12 +215,14 @@ class Measurement:
                 else f"{low:{fmt}} - {high:{fmt}}"
 
         lines = ["| variant | path | files/s | daemon CPU per file (us) | daemon memory kept "
-                 "per file (B) | remote CPU per file (us) |", "|---|---|---|---|---|---|"]
+                 "per file (B) | remote CPU per file (us) | a reader's open (ms) | its reads "
+                 "of a file (ms) |", "|---|---|---|---|---|---|---|---|"]
         for (variant, path), rows in self.samples.items():
-            rate, daemon, kept, remote = zip(*rows, strict=True)
+            rate, daemon, kept, remote, opening, reading = zip(*rows, strict=True)
             lines.append(f"| {variant} | {path} | {span(list(rate), ',.0f')} | "
                          f"{span(list(daemon), ',.0f')} | {span(list(kept), ',.0f')} | "
-                         f"{span(list(remote), ',.0f')} |")
+                         f"{span(list(remote), ',.0f')} | {span(list(opening), '.2f')} | "
+                         f"{span(list(reading), '.2f')} |")
         return "\n".join(lines)
 
 
@@ -210,15 +236,16 @@ def _measure_pass(m: Measurement, readers: Readers, variant: str, path: str, roo
     memory after the pass less before it."""
     rss_before = process_tree_rss_bytes(daemon_pid) if daemon_pid else None
     before = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
-    seconds, read = readers.read_pass(root, names, seed=seed, drop=drop, path=path)
+    seconds, done = readers.read_pass(root, names, seed=seed, drop=drop, path=path)
     if settle is not None:
         settle()
     after = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
     rss_growth = process_tree_rss_bytes(daemon_pid) - rss_before if daemon_pid else None
-    if read != expect_bytes:
-        raise SystemExit(f"datapath: {variant}/{path} read {read} bytes, expected {expect_bytes}")
+    if done.read != expect_bytes:
+        raise SystemExit(f"datapath: {variant}/{path} read {done.read} bytes, expected "
+                         f"{expect_bytes}")
     used = [None if b is None else a - b for a, b in zip(after, before, strict=True)]
-    m.add(variant, path, len(names), seconds, *used, daemon_rss_growth=rss_growth)
+    m.add(variant, path, len(names), seconds, *used, daemon_rss_growth=rss_growth, waits=done)
 
 
 def run(args: argparse.Namespace) -> Measurement:
