@@ -72,7 +72,9 @@ from typing import NamedTuple
 from bench.driver import drop_page_cache
 from bench.emulator.remote import EmulatedRemote, process_tree_cpu_seconds, process_tree_rss_bytes
 from bench.mounts import REPO, CachefsMount, ScratchDisk
+from bench.settings import ArgumentParser
 from cachefs.prefetch.prefetcher import RECENT_OPEN_SECONDS
+from cachefs.service.process import die_with_parent
 from cachefs.sizes import parse_size
 
 PATHS = ("fill", "cached", "warm", "client", "not kept", "prefetched", "client not kept")
@@ -142,7 +144,9 @@ class Readers:
         # first pass (it imports torch: seconds of CPU).
         import cachefs_client  # noqa: F401
 
-        self._pool = multiprocessing.get_context("fork").Pool(count)
+        # Readers end with this process, however it ends (a benchmark killed on a timeout).
+        self._pool = multiprocessing.get_context("fork").Pool(
+            count, initializer=die_with_parent, initargs=(os.getpid(),))
 
     def read_pass(self, root: Path, names: list[str], *, seed: int, drop: bool = True,
                   path: str = "") -> tuple[float, Share]:
@@ -242,15 +246,16 @@ def _measure_pass(m: Measurement, readers: Readers, variant: str, path: str, roo
     after = [cpu_seconds(pid) if pid else None for pid in (daemon_pid, remote_pid)]
     rss_growth = process_tree_rss_bytes(daemon_pid) - rss_before if daemon_pid else None
     if done.read != expect_bytes:
-        raise SystemExit(f"datapath: {variant}/{path} read {done.read} bytes, expected "
-                         f"{expect_bytes}")
+        raise RuntimeError(f"{variant}/{path} read {done.read} bytes, expected {expect_bytes}")
     used = [None if b is None else a - b for a, b in zip(after, before, strict=True)]
     m.add(variant, path, len(names), seconds, *used, daemon_rss_growth=rss_growth, waits=done)
 
 
-def run(args: argparse.Namespace) -> Measurement:
+def run(args: argparse.Namespace, work_root: Path | None = None) -> Measurement:
+    """Measure every path of every variant, ``args.repeats`` rounds, in a directory of its own
+    under ``work_root`` (the system's temporary directory by default)."""
     m = Measurement()
-    work = Path(tempfile.mkdtemp(prefix="cachefs-datapath-"))
+    work = Path(tempfile.mkdtemp(prefix="cachefs-datapath-", dir=work_root))
     readers = Readers(args.readers)
     remote = None
     disk = ScratchDisk(work, 2 * (4 * args.files * args.size + (256 << 20))) \
@@ -279,6 +284,9 @@ def run(args: argparse.Namespace) -> Measurement:
             for variant, (suffix, tree) in itertools.product(args.variants, trees):
                 label = variant + suffix
                 for fraction, paths in ((1.0, KEPT_PATHS), (0.0, NOT_KEPT_PATHS)):
+                    paths = [path for path in paths if path in args.paths]
+                    if not paths:
+                        continue
                     cache = caches / f"cache-{label}-{repeat}-{fraction:g}"
                     # Readers of their own per mount: a fast-path client's connection is to
                     # one daemon.
@@ -351,8 +359,8 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m bench.datapath", description=__doc__.split(
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="python3 -m bench.datapath", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--files", type=int, default=3000)
     parser.add_argument("--size", type=_size, default=65536,
@@ -364,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                         "or 'tree': the local tree itself as the remote, no emulator")
     parser.add_argument("--variants", default="auto,local,off",
                         type=lambda text: [v for v in text.split(",") if v])
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        type=lambda text: [p for p in text.split(",") if p],
+                        help=f"the paths to measure (default: all of {', '.join(PATHS)})")
     parser.add_argument("--cache-disk", choices=("ext4", "root"), default="ext4",
                         help="where the caches live: a fresh journaled ext4 of their own, as a "
                         "node's NVMe cache disk (default), or the root file system")
@@ -374,16 +385,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep every CPU from going idle while measuring (a busy loop per "
                         "CPU at SCHED_IDLE): the daemon's own costs, apart from the cost of "
                         "waking halted CPUs on a virtual machine")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked: a bad one ends the program with a line saying which."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant {unknown[0]!r}: use some of {', '.join(VARIANTS)}")
+    unknown = [p for p in args.paths if p not in PATHS]
+    if unknown or not args.paths:
+        parser.error(f"unknown path {unknown[0]!r}: use some of {', '.join(PATHS)}" if unknown
+                     else "--paths names none")
     if args.baseline is not None and not (args.baseline / "cachefs" / "__main__.py").exists():
         parser.error(f"--baseline {args.baseline} is not a cachefs checkout")
     if args.files < 1 or args.size < 1 or args.readers < 1 or args.repeats < 1:
         parser.error("--files, --size, --readers and --repeats must be positive")
-    with NoIdleCPUs() if args.no_idle else contextlib.nullcontext():
-        measured = run(args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        with NoIdleCPUs() if args.no_idle else contextlib.nullcontext():
+            measured = run(args)
+    except (OSError, RuntimeError) as exc:
+        print(f"datapath: {exc}".splitlines()[0], file=sys.stderr)
+        return 1
     print(measured.table())
     return 0
 

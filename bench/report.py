@@ -258,6 +258,7 @@ def markdown(results: dict, png_name: str | None) -> str:
                     f"cachefs hit ratio during the measured passes: "
                     f"{_ratio(fps['cachefs']['hit_ratio'])}, remote bytes "
                     f"{_mib(fps['cachefs']['remote_bytes'])} MiB."]
+    out += _fast_remote_section(results.get("fast_remote"))
     if png_name:
         out += ["", f"![samples/s and stall per epoch]({png_name})"]
     return "\n".join(out) + "\n"
@@ -279,6 +280,27 @@ def _alternating_section(turns: dict | None) -> list[str]:
         *(f"| {number} | {r['local']:,.0f} | {r['cachefs']:,.0f} | {r['share']:.0%} | "
           f"{_ratio(r['hit_ratio'])} | {_mib(r['remote_bytes'])} |"
           for number, r in enumerate(turns["rounds"], 1))]
+
+
+def _fast_remote_section(fast: dict | None) -> list[str]:
+    if not fast:
+        return []
+    out = ["", "## Misses against a fast remote", ""]
+    if fast.get("error"):
+        return out + [f"Failed: {fast['error']}"]
+    return out + [
+        f"The local tree itself as the remote (no emulator: nothing but the daemon between the "
+        f"readers and the bytes), {fast['files']:,} files of {fast['file_bytes'] // 1024} KiB "
+        f"read whole by {fast['readers']} processes, the page cache dropped before each pass; "
+        "cachefs on an empty cache at f = 1 (every open a fill) and at f = 0 (every open a file "
+        "not kept). Daemon CPU: user + system of the serving process and its children, from "
+        "/proc, per file.", "",
+        "| round | the tree directly, files/s | fill, files/s (share) | fill, daemon CPU per "
+        "file | not kept, files/s (share) | not kept, daemon CPU per file |",
+        "|---|---|---|---|---|---|",
+        *(f"| {number} | {r['tree']:,} | {r['fill']:,} ({r['fill'] / r['tree']:.0%}) | "
+          f"{r['fill_us']} us | {r['not_kept']:,} ({r['not_kept'] / r['tree']:.0%}) | "
+          f"{r['not_kept_us']} us |" for number, r in enumerate(fast["rounds"], 1))]
 
 
 def _fps_label(args: tuple[str, ...]) -> str:

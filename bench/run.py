@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import alternating, filerate, machine, report, targets
+from bench import alternating, fastremote, filerate, machine, report, targets
 from bench import dataset as dataset_mod
 from bench.emulator import slowfs
 from bench.emulator.remote import EmulatedRemote
@@ -119,7 +119,8 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
                      "source": source,
                      "dataset": {"name": data.spec.name(), "examples": len(data.examples),
                                  "files": len(data.files), "bytes": data.total_bytes},
-                     "variants": [], "alternating": None, "files_per_second": None}
+                     "variants": [], "alternating": None, "files_per_second": None,
+                     "fast_remote": None}
     log(f"dataset {data.spec.name()}: {len(data.examples)} examples, "
         f"{data.total_bytes / 2**20:.0f} MiB; pace {settings.pace:.0f} samples/s "
         f"(batch {settings.batch} every {settings.step_ms:.1f} ms), remote profile "
@@ -143,6 +144,10 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
                     f"{settings.fps_threads} threads:")
                 results["files_per_second"] = filerate.measure(fps_data, remote, settings,
                                                                run_dir, log)
+        if settings.fast_files:
+            log(f"misses against a fast remote (the local tree itself), {settings.fast_files} "
+                f"files of 64 KiB, {settings.fast_rounds} round(s):")
+            results["fast_remote"] = fastremote.measure(settings, run_dir, log)
     finally:
         if not slowfs.is_mounted(run_dir / "remote"):
             shutil.rmtree(run_dir, ignore_errors=True)

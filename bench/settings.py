@@ -32,6 +32,9 @@ class RunSettings:
     profile: str
     fps_files: int  # 64 KiB files for the files/s measurement; 0 skips it
     share_rounds: int  # epochs each of f = 1 with hints and the local copy, in turns; 0 skips
+    # 64 KiB files for the misses against a fast remote (bench/fastremote.py); 0 skips them
+    fast_files: int
+    fast_rounds: int
     out_dir: Path
     work_dir: Path = BENCH_DIR / "work"
     dataset_kind: str = KIND_IMAGES
@@ -73,17 +76,17 @@ PRESETS = {
     # About 10-15 minutes on 2 cores: enough files that an epoch lasts seconds at the pace.
     "full": dict(examples=3000, epochs=3, unpaced_epochs=2, workers=8, batch=V100_BATCH,
                  pace=V100_PACE, profile="efs", fps_files=3000, share_rounds=10,
-                 out_dir=BENCH_DIR / "results"),
+                 fast_files=4000, fast_rounds=3, out_dir=BENCH_DIR / "results"),
     # The CI smoke run: every variant, two epochs (the second is the steady state), small.
     "quick": dict(examples=320, epochs=2, unpaced_epochs=0, workers=4, batch=32,
                   pace=V100_PACE, profile="efs", fps_files=200, share_rounds=1,
-                  out_dir=BENCH_DIR / "results" / "quick"),
+                  fast_files=200, fast_rounds=1, out_dir=BENCH_DIR / "results" / "quick"),
     # The README's first command, about a minute: the remote directly, then cachefs keeping a
     # fifth of the files with hints, and all of them read through the mount and through the
     # client. The first epoch fills the cache; the second runs flat out.
     "demo": dict(examples=1500, epochs=1, unpaced_epochs=1, workers=8, batch=64,
                  pace=V100_PACE, profile="efs", fps_files=0, share_rounds=0,
-                 out_dir=BENCH_DIR / "results" / "demo",
+                 fast_files=0, fast_rounds=0, out_dir=BENCH_DIR / "results" / "demo",
                  variant_names="direct,cachefs-f0.2-hints,cachefs-f1,cachefs-f1-hints"),
 }
 
@@ -150,6 +153,9 @@ def build_parser(prog: str, description: str, *, quick_flag: bool) -> argparse.A
     p.add_argument("--fractions", help="cachefs fractions to measure, e.g. 0,0.2,0.5,1")
     p.add_argument("--fps-files", type=count_arg, help="64 KiB files for the warm-cache files/s "
                    "measurement (0 skips it)")
+    p.add_argument("--fast-files", type=count_arg, help="64 KiB files for the misses against "
+                   "a fast remote (the local tree itself as the remote: the daemon's own CPU "
+                   "per miss; 0 skips them)")
     p.add_argument("--share-rounds", type=count_arg, help="unpaced epochs each of cachefs at "
                    "f = 1 with hints and of the local copy, taken in turns, for the "
                    "share-of-local target (0 skips it)")
@@ -170,6 +176,7 @@ def settings_from_args(parser: argparse.ArgumentParser, argv: list[str] | None,
               "shards": "shards", "epochs": "epochs", "unpaced_epochs": "unpaced_epochs",
               "workers": "workers", "batch": "batch", "pace": "pace", "profile": "profile",
               "fps_files": "fps_files", "share_rounds": "share_rounds", "seed": "seed",
+              "fast_files": "fast_files",
               "bandwidth_mbps": "bandwidth_mbps",
               "out": "out_dir", "work_dir": "work_dir", "variants": "variant_names"}
     for flag, attribute in simple.items():
@@ -178,6 +185,8 @@ def settings_from_args(parser: argparse.ArgumentParser, argv: list[str] | None,
             setattr(settings, attribute, value)
     if args.step_ms is not None:
         settings.pace = 1000.0 * settings.batch / args.step_ms
+    if settings.fast_files and not settings.fast_rounds:
+        settings.fast_rounds = 1
     try:
         if args.fractions is not None:
             settings.fractions = variants_mod.parse_fractions(args.fractions)

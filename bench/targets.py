@@ -33,6 +33,11 @@ DUE_SHARE_OF_FRESH = 0.9
 # Daemon CPU per file, microseconds: filled into the cache, and passed through.
 MAX_FILL_US = 250
 MAX_PASS_THROUGH_US = 150
+# Against a remote as fast as a local disk (bench/fastremote.py): files/s of each miss path
+# as a share of the tree read directly.
+FAST_FILLED_OF_DIRECT = 0.3
+FAST_NOT_KEPT_OF_DIRECT = 0.4
+FAST_REMOTE = "fast remote"
 
 
 def epoch_figures(variant: dict, epoch: dict, dataset_bytes: int) -> dict:
@@ -401,12 +406,39 @@ def _daemon_cpu_verdicts(results: dict) -> list[dict]:
     return out
 
 
+def _fast_remote_verdicts(results: dict) -> list[dict]:
+    """The miss paths where nothing but the daemon stands between the readers and the bytes:
+    files/s against the tree read directly in the same round (the worst round), and the
+    daemon's CPU per file (the dearest round)."""
+    fast = results.get("fast_remote") or {}
+    rounds = [] if fast.get("error") else fast.get("rounds", [])
+    out = []
+    for path, fraction, share, limit, cpu_target in (
+            ("fill", 1, FAST_FILLED_OF_DIRECT, MAX_FILL_US, "daemon CPU per filled file"),
+            ("not_kept", 0, FAST_NOT_KEPT_OF_DIRECT, MAX_PASS_THROUGH_US,
+             "daemon CPU per file passed through")):
+        name = f"{FAST_REMOTE} f = {fraction}"
+        speed = f"files/s >= {share:.0%} of the tree read directly"
+        cpu = f"{cpu_target} <= {limit} us"
+        if not rounds:
+            out += [_verdict(speed, None, "not measured", name),
+                    _verdict(cpu, None, "not measured", name)]
+            continue
+        shares = [r[path] / r["tree"] for r in rounds]
+        costs = [r[f"{path}_us"] for r in rounds]
+        out += [_verdict(speed, min(shares) >= share, ", ".join(
+                    f"{r[path]:,} of {r['tree']:,} ({r[path] / r['tree']:.0%})"
+                    for r in rounds), name),
+                _verdict(cpu, max(costs) <= limit, f"{min(costs)} - {max(costs)} us", name)]
+    return out
+
+
 def evaluate(results: dict) -> list[dict]:
     """Every verdict, from the raw results alone (so a report can be redrawn from the JSON)."""
     return (_cache_verdicts(results) + _speedup_verdicts(results)
             + _first_epoch_verdict(results) + _ceiling_verdicts(results)
             + _revalidation_verdict(results)
-            + _daemon_cpu_verdicts(results)
+            + _daemon_cpu_verdicts(results) + _fast_remote_verdicts(results)
             + _fast_path_verdict(results) + _pace_verdicts(results)
             + _files_per_second_verdict(results))
 

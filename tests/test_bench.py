@@ -90,6 +90,12 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     assert turns["rounds"][0]["hit_ratio"] == 1.0 and turns["rounds"][0]["remote_bytes"] == 0
     assert "(median of 1 pair of epochs in turns" in table
     assert result["files_per_second"]["error"] is None
+    # The misses against a fast remote: every round has each path, judged in the same round.
+    fast = result["fast_remote"]
+    assert fast["error"] is None and len(fast["rounds"]) == 1
+    assert all(fast["rounds"][0][path] > 0 for path in ("tree", "fill", "not_kept"))
+    assert "| files/s >= 30% of the tree read directly | fast remote f = 1 | " in table
+    assert "| daemon CPU per file passed through <= 150 us | fast remote f = 0 | " in table
 
 
 @pytest.mark.timeout(200)

@@ -1,9 +1,14 @@
-"""Whether a daemon process is still there, as the unmount command and the tests wait for it."""
+"""Whether a daemon process is still there, as the unmount command and the tests wait for it;
+and a child process that ends with its parent."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import time
+
+_PR_SET_PDEATHSIG = 1
 
 
 def alive(pid: int) -> bool:
@@ -35,3 +40,11 @@ def wait_gone(pid: int, timeout: float, interval: float = 0.02) -> bool:
             return False
         time.sleep(interval)
     return True
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process (a child of ``parent``, just started) when its parent dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the call
+        os._exit(1)

@@ -31,7 +31,6 @@ the child needs before the first fork, so that a restart costs the child's start
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import select
@@ -45,6 +44,7 @@ from cachefs.kernel import mount as kmount
 from cachefs.kernel import takeover
 from cachefs.kernel.session import Connection
 from cachefs.service.fdstore import FdStore
+from cachefs.service.process import die_with_parent
 from cachefs.service.upgrade import Handover
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,6 @@ QUICK_SECONDS = 2.0
 RESTART_DELAY_SECONDS = 0.1
 MAX_RESTART_DELAY_SECONDS = 5.0
 MAX_QUICK_DEATHS = 8
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -214,7 +213,7 @@ class Supervisor:
                 signal.set_wakeup_fd(-1)
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
                     signal.signal(sig, signal.SIG_DFL)
-                _die_with_parent(succession.supervisor_pid)
+                die_with_parent(succession.supervisor_pid)  # as KillMode=mixed would
                 if ready_fd is not None:
                     from cachefs.service.daemon import READY_FD_ENV
 
@@ -286,14 +285,6 @@ class Supervisor:
         for fd in fds:
             os.close(fd)
         return True
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the supervisor dies, as systemd's KillMode=mixed would."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the call
-        os._exit(1)
 
 
 def _exit_text(code: int) -> str:
