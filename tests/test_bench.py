@@ -34,7 +34,8 @@ def _epoch(result: dict, name: str, number: int) -> dict:
     return next(e for e in variant["epochs"] if e["epoch"] == number)
 
 
-@pytest.mark.timeout(230)
+# About a minute on 2 idle cores; the margin is for a host whose other work slows it 4x.
+@pytest.mark.timeout(330)
 def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     from bench.targets import cpu_figures
 
@@ -42,7 +43,7 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "bench.run", "--quick", "--fractions", "0,1", "--fps-files", "100",
          "--variants", ",".join(VARIANTS), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=220)
+        cwd=REPO, capture_output=True, text=True, timeout=320)
     assert run.returncode == 0, run.stderr[-3000:]
     for name in ("latest.md", "latest.json", "latest.png"):
         assert (out / name).stat().st_size > 0
