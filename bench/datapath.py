@@ -103,7 +103,7 @@ class Share(NamedTuple):
 
 
 def _read_files(paths: list[str]) -> Share:
-    total = opening = reading = 0.0
+    total, opening, reading = 0, 0.0, 0.0
     for path in paths:
         started = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
@@ -112,7 +112,7 @@ def _read_files(paths: list[str]) -> Share:
                 total += len(chunk)
             reading += time.perf_counter() - opened
         opening += opened - started
-    return Share(int(total), opening, reading)
+    return Share(total, opening, reading)
 
 
 def _read_files_hinted(paths: list[str]) -> Share:
