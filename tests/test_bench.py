@@ -40,10 +40,15 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     from bench.targets import cpu_figures
 
     out = tmp_path / "results"
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--quick", "--fractions", "0,1", "--fps-files", "100",
-         "--variants", ",".join(VARIANTS), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=320)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "bench.run", "--quick", "--fractions", "0,1", "--fps-files",
+             "100", "--variants", ",".join(VARIANTS), "--out", str(out)],
+            cwd=REPO, capture_output=True, text=True, timeout=320)
+    except subprocess.TimeoutExpired as exc:  # where it was: the tail of its log
+        log = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) \
+            else exc.stderr or ""
+        pytest.fail(f"bench.run --quick ran over {exc.timeout:g} s; its log ends:\n{log[-3000:]}")
     assert run.returncode == 0, run.stderr[-3000:]
     for name in ("latest.md", "latest.json", "latest.png"):
         assert (out / name).stat().st_size > 0
