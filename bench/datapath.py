@@ -61,6 +61,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -135,6 +136,17 @@ READERS = {"client": _read_files_client, "client not kept": _read_files_client,
            "prefetched": _read_files_hinted}
 
 
+def start_reader(benchmark: int) -> None:
+    """A reader process's start: it ends with the benchmark (pid ``benchmark``), however that
+    ends (killed on a timeout, say), and leaves Ctrl-C and SIGTERM to it, which ends the
+    readers itself.  bench.run turns SIGTERM into KeyboardInterrupt for itself; inherited,
+    that made a reader waiting for the pool's queue outlive the pool's own SIGTERM now and
+    then, and the pool's end wait for it for ever."""
+    die_with_parent(benchmark)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class Readers:
     """READERS processes, started once, each reading its share of a pass."""
 
@@ -144,9 +156,8 @@ class Readers:
         # first pass (it imports torch: seconds of CPU).
         import cachefs_client  # noqa: F401
 
-        # Readers end with this process, however it ends (a benchmark killed on a timeout).
         self._pool = multiprocessing.get_context("fork").Pool(
-            count, initializer=die_with_parent, initargs=(os.getpid(),))
+            count, initializer=start_reader, initargs=(os.getpid(),))
 
     def read_pass(self, root: Path, names: list[str], *, seed: int, drop: bool = True,
                   path: str = "") -> tuple[float, Share]:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from bench import machine, scale_report
 from bench.counters import gc_seconds
-from bench.datapath import cpu_seconds
+from bench.datapath import cpu_seconds, start_reader
 from bench.driver import drop_page_cache
 from bench.emulator import slowfs
 from bench.emulator.remote import process_rss_bytes
@@ -146,13 +146,6 @@ def ensure_tree(work: Path, files: int, size: int, log: Callable[[str], None]) -
 _NAMES: list[str] = []
 
 
-def _reader_signals() -> None:
-    """A reader leaves Ctrl-C and SIGTERM to the benchmark, which ends the readers itself
-    (it would otherwise turn SIGTERM into KeyboardInterrupt in each, as it does for itself)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def _read_share(job: tuple[str, bytes]) -> int:
     root, packed = job
     indices = array.array("I")
@@ -174,7 +167,8 @@ class Readers:
         _NAMES = names
         self.names = names
         self.count = count
-        self._pool = multiprocessing.get_context("fork").Pool(count, initializer=_reader_signals)
+        self._pool = multiprocessing.get_context("fork").Pool(
+            count, initializer=start_reader, initargs=(os.getpid(),))
 
     def read_pass(self, root: Path, *, seed: int, expect_bytes: int) -> float:
         """Every file once, in a shuffled order, the page cache dropped first: seconds."""
