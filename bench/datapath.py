@@ -73,10 +73,9 @@ from typing import NamedTuple
 from bench.driver import drop_page_cache
 from bench.emulator.remote import EmulatedRemote, process_tree_cpu_seconds, process_tree_rss_bytes
 from bench.mounts import REPO, CachefsMount, ScratchDisk
-from bench.settings import ArgumentParser
+from bench.settings import ArgumentParser, size_arg
 from cachefs.prefetch.prefetcher import RECENT_OPEN_SECONDS
 from cachefs.service.process import die_with_parent
-from cachefs.sizes import parse_size
 
 PATHS = ("fill", "cached", "warm", "client", "not kept", "prefetched", "client not kept")
 # The paths of a pass over files the cache keeps (fraction 1) and over files it does not.
@@ -363,18 +362,11 @@ def _busy_loop() -> None:
             pass
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="python3 -m bench.datapath", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--files", type=int, default=3000)
-    parser.add_argument("--size", type=_size, default=65536,
+    parser.add_argument("--size", type=size_arg, default=65536,
                         help="bytes per file: 65536, 64KiB, 2G (default 64 KiB)")
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)

@@ -54,8 +54,8 @@ from bench.emulator.remote import process_rss_bytes
 from bench.mounts import REPO, CachefsMount, ScratchDisk, _cli_env
 from bench.peakrss import run_with_peak_rss
 from bench.run import measure_this_tree, measured
+from bench.settings import ArgumentParser, size_arg
 from cachefs.service.process import alive
-from cachefs.sizes import parse_size
 
 DEFAULT_FILES = 1_000_000
 DEFAULT_SIZE = 4096
@@ -473,19 +473,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict:
     return results
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m bench.scale",
-                                description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python3 -m bench.scale",
+                       description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="?", type=int, default=DEFAULT_FILES,
                    help=f"files in the tree (default {DEFAULT_FILES:,})")
-    p.add_argument("--size", type=_size, default=DEFAULT_SIZE,
+    p.add_argument("--size", type=size_arg, default=DEFAULT_SIZE,
                    help="bytes per file: 4096, 4KiB (default 4 KiB)")
     p.add_argument("--readers", type=int, default=READERS,
                    help=f"reader processes (default {READERS})")

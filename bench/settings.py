@@ -14,6 +14,7 @@ from pathlib import Path
 from bench import variants as variants_mod
 from bench.dataset import DEFAULT_MEAN_KIB, KIND_IMAGES, KINDS, DatasetSpec
 from bench.emulator.slowfs import PROFILES
+from cachefs.sizes import parse_size
 
 BENCH_DIR = Path(__file__).resolve().parent
 # ResNet-50 on a V100: n = 128 examples every t = 87 ms, about 1,457 examples/s (NOTES.md).
@@ -110,6 +111,14 @@ def count_arg(text: str) -> int:
     if value < 0:
         raise ValueError
     return value
+
+
+def size_arg(text: str) -> int:
+    """A size in bytes as people write it (65536, 64KiB, 2G), for an argument's ``type``."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_float(text: str) -> float:
