@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import plot, targets
@@ -229,48 +230,31 @@ def markdown(results: dict, png_name: str | None) -> str:
         out += ["", "Failures:", ""]
         out += [f"* `{v['variant']}`: {v['error']}" for v in failed]
 
-    out += _alternating_section(results.get("alternating"))
-    fps = results.get("files_per_second")
-    if fps:
-        out += ["", "## Files/s on a warm cache", ""]
-        if fps.get("error"):
-            out.append(f"Failed: {fps['error']}")
-        else:
-            out += [f"{fps['files']:,} files of {fps['file_bytes'] // 1024} KiB read whole by "
-                    f"{fps['threads']} threads in a shuffled order (no DataLoader), cachefs at "
-                    "f = 1.0 after one pass filled its cache, no hints.", "",
-                    "| path | files/s, page cache dropped (best of passes) | files/s through "
-                    "the daemon (best of passes) | files/s, page cache kept |",
-                    "|---|---|---|---|",
-                    f"| local copy | {fps['local']['cold']:,} ({fps['local']['cold_passes']}) | "
-                    f"— | {fps['local']['page_cache']:,} |",
-                    *(f"| {_fps_label(args)} | {fps[name]['cold']:,} "
-                      f"({fps[name]['cold_passes']}) | {_count(fps[name].get('daemon'))} "
-                      f"({fps[name].get('daemon_passes', '—')}) | "
-                      f"{fps[name]['page_cache']:,} |"
-                      for name, args in CACHEFS_SETTINGS.items() if name in fps),
-                    "", "Through the daemon: the cache disk's pages kept, the mount's dropped, so "
-                    "every read is a FUSE request served by cachefs and none waits on the disk "
-                    "(what a Python passthrough of warm files does). Page cache kept: the kernel "
-                    "keeps a file's pages across opens while the file is unchanged; with "
-                    "`--revalidate never` (a dataset that never changes) it also keeps "
-                    "attributes and entries, and cachefs never asks the remote.", "",
-                    f"cachefs hit ratio during the measured passes: "
-                    f"{_ratio(fps['cachefs']['hit_ratio'])}, remote bytes "
-                    f"{_mib(fps['cachefs']['remote_bytes'])} MiB."]
-    out += _fast_remote_section(results.get("fast_remote"))
+    out += _section("cachefs f = 1 with hints and the local copy, in turns",
+                    results.get("alternating"), _alternating_lines)
+    out += _section("Files/s on a warm cache", results.get("files_per_second"),
+                    _files_per_second_lines)
+    out += _section("Misses against a fast remote", results.get("fast_remote"),
+                    _fast_remote_lines)
     if png_name:
         out += ["", f"![samples/s and stall per epoch]({png_name})"]
     return "\n".join(out) + "\n"
 
 
-def _alternating_section(turns: dict | None) -> list[str]:
-    if not turns:
+def _section(title: str, measured: dict | None, lines: Callable[[dict], list[str]]
+             ) -> list[str]:
+    """A section of its own for a measurement the run made: its heading, then what
+    ``lines`` makes of it, or the one line that says why it failed; nothing if not made."""
+    if not measured:
         return []
-    out = ["", "## cachefs f = 1 with hints and the local copy, in turns", ""]
-    if turns.get("error"):
-        return out + [f"Failed: {turns['error']}"]
-    return out + [
+    heading = ["", f"## {title}", ""]
+    if measured.get("error"):
+        return heading + [f"Failed: {measured['error']}"]
+    return heading + lines(measured)
+
+
+def _alternating_lines(turns: dict) -> list[str]:
+    return [
         "Both loaders started once, then one unpaced epoch each in turns (the order swapped "
         "every round; a first round started the workers and is not counted), so that each "
         "pair is measured within seconds. The share-of-local target is judged on the median "
@@ -282,13 +266,33 @@ def _alternating_section(turns: dict | None) -> list[str]:
           for number, r in enumerate(turns["rounds"], 1))]
 
 
-def _fast_remote_section(fast: dict | None) -> list[str]:
-    if not fast:
-        return []
-    out = ["", "## Misses against a fast remote", ""]
-    if fast.get("error"):
-        return out + [f"Failed: {fast['error']}"]
-    return out + [
+def _files_per_second_lines(fps: dict) -> list[str]:
+    return [f"{fps['files']:,} files of {fps['file_bytes'] // 1024} KiB read whole by "
+            f"{fps['threads']} threads in a shuffled order (no DataLoader), cachefs at "
+            "f = 1.0 after one pass filled its cache, no hints.", "",
+            "| path | files/s, page cache dropped (best of passes) | files/s through "
+            "the daemon (best of passes) | files/s, page cache kept |",
+            "|---|---|---|---|",
+            f"| local copy | {fps['local']['cold']:,} ({fps['local']['cold_passes']}) | "
+            f"— | {fps['local']['page_cache']:,} |",
+            *(f"| {_fps_label(args)} | {fps[name]['cold']:,} "
+              f"({fps[name]['cold_passes']}) | {_count(fps[name].get('daemon'))} "
+              f"({fps[name].get('daemon_passes', '—')}) | "
+              f"{fps[name]['page_cache']:,} |"
+              for name, args in CACHEFS_SETTINGS.items() if name in fps),
+            "", "Through the daemon: the cache disk's pages kept, the mount's dropped, so "
+            "every read is a FUSE request served by cachefs and none waits on the disk "
+            "(what a Python passthrough of warm files does). Page cache kept: the kernel "
+            "keeps a file's pages across opens while the file is unchanged; with "
+            "`--revalidate never` (a dataset that never changes) it also keeps "
+            "attributes and entries, and cachefs never asks the remote.", "",
+            f"cachefs hit ratio during the measured passes: "
+            f"{_ratio(fps['cachefs']['hit_ratio'])}, remote bytes "
+            f"{_mib(fps['cachefs']['remote_bytes'])} MiB."]
+
+
+def _fast_remote_lines(fast: dict) -> list[str]:
+    return [
         f"The local tree itself as the remote (no emulator: nothing but the daemon between the "
         f"readers and the bytes), {fast['files']:,} files of {fast['file_bytes'] // 1024} KiB "
         f"read whole by {fast['readers']} processes, the page cache dropped before each pass; "

@@ -146,7 +146,7 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
                                                                run_dir, log)
         if settings.fast_files:
             log(f"misses against a fast remote (the local tree itself), {settings.fast_files} "
-                f"files of 64 KiB, {settings.fast_rounds} round(s):")
+                f"files of {fastremote.FILE_BYTES // 1024} KiB, {settings.fast_rounds} round(s):")
             results["fast_remote"] = fastremote.measure(settings, run_dir, log)
     finally:
         if not slowfs.is_mounted(run_dir / "remote"):
