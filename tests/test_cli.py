@@ -65,6 +65,7 @@ def assert_refused(result, *words, mnt=None):
     (["--prefetch-concurrency", "0"], ["--prefetch-concurrency"]),
     (["--cpus", "some"], ["--cpus", "a list of CPUs such as 0,2-3"]),
     (["--cpus", "4096"], ["--cpus", "CPU 4096 is not one this process may run on"]),
+    (["--staging-size", "1P"], ["--staging-size", "more than half the memory"]),
     (["--bogus-flag"], ["unrecognized arguments"]),
 ])
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["mount", "dry-run"])

@@ -17,10 +17,11 @@ from typing import Any
 
 from cachefs.address import MetricsAddress
 from cachefs.errors import UsageError
+from cachefs.limits import memory_limit_bytes
 from cachefs.peer.members import PeerList, parse_address
 from cachefs.remote.attrcache import DEFAULT_MAX_ENTRIES as DEFAULT_ATTR_CACHE_ENTRIES
 from cachefs.service.affinity import parse_cpus
-from cachefs.sizes import parse_size
+from cachefs.sizes import format_bytes, parse_size
 
 DEFAULT_METRICS_PORT = 9477
 DEFAULT_REVALIDATE_SECONDS = 60.0
@@ -28,6 +29,10 @@ DEFAULT_REMOTE_TIMEOUT_SECONDS = 30.0
 DEFAULT_PREFETCH_CONCURRENCY = 32
 # Staging's default where memory allows (service/memory.py sizes it from the memory limit).
 DEFAULT_STAGING_BYTES = 512 * 2**20
+# Staged files are memory files the kernel can neither write back nor drop: a staging area
+# near the memory the daemon may use (its cgroup's limit, or the machine's) would have it
+# killed by the OOM killer as hints fill it, and every read through the mount fail after.
+MAX_STAGING_SHARE = 0.5
 # A peer on the cluster's network answers in a millisecond; one that takes seconds is
 # better skipped for the remote.
 DEFAULT_PEER_TIMEOUT_SECONDS = 2.0
@@ -122,7 +127,12 @@ def _cache_size(value: Any) -> int:
 
 
 def _staging_size(value: Any) -> int:
-    return parse_size(value)
+    size = parse_size(value)
+    limit = memory_limit_bytes()
+    if size > limit * MAX_STAGING_SHARE:
+        raise ValueError(f"{value!r} is more than half the memory this daemon may use "
+                         f"({format_bytes(limit)}); staged files stay in memory until read")
+    return size
 
 
 def _revalidate(value: Any) -> float | None:
