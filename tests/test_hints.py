@@ -536,13 +536,18 @@ def test_hints_to_a_path_on_no_mount_warn_once(tmp_path):
 
 def test_warm_fills_the_cache_from_a_list(tmp_path, source, remote, mount_cachefs):
     rels = make_files(source, 50, size=(1000, 5000))
+    (source / "loop").symlink_to("loop")
     mount = mount_cachefs(remote.path, cache_size="64MiB")
     listing = tmp_path / "list.txt"
-    listing.write_text("\n".join([*rels, "no/such.bin", "../escape"]) + "\n")
+    # Entries that fail, each in its own way, among the files: a name longer than the remote
+    # allows (ENAMETOOLONG), a symlink to itself (ELOOP), a file taken for a directory.
+    failing = ["no/such.bin", "../escape", "class0000/" + "x" * 300, "loop", f"{rels[0]}/a"]
+    listing.write_text("\n".join([*rels[:25], *failing, *rels[25:]]) + "\n")
     result = run_cachefs("warm", str(mount.path), "--list", str(listing))
-    assert result.returncode == 1, result.stderr   # two entries failed, and it says so
+    assert result.returncode == 1, result.stderr   # the failing entries failed, and it says so
     summary = result.stdout + result.stderr
-    assert "50" in summary and "2 failed" in summary
+    assert "warmed 55 files" in summary and "50 fetched" in summary, summary
+    assert f"{len(failing)} failed" in summary, summary
     assert "Traceback" not in summary
     assert mount.metric("cachefs_cache_files") == 50
     remote_before = mount.metric("cachefs_remote_read_bytes_total")

@@ -42,6 +42,8 @@ MAX_FDS_PER_MESSAGE = 64  # clients accept up to SCM_MAX_FD (253) per message
 # Only the replies to these (a batch's reads) wait for the requests after them; any
 # other request (a FETCH may take seconds) first sends what is held.
 COALESCED_COMMANDS = frozenset({b"OPEN", b"READ"})
+# Requests answered by no line (fire-and-forget).
+UNANSWERED_COMMANDS = frozenset({b"HINT"})
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,7 @@ class ControlServer:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                             struct.pack("ll", int(SEND_TIMEOUT_SECONDS), 0))
             outbox = _Outbox(conn)
+            failures = 0
             try:
                 for line in _lines(conn, self._on_invalid):
                     if line is None:  # about to wait for more: answer what was asked so far
@@ -172,7 +175,18 @@ class ControlServer:
                     command = command.upper()
                     if command not in COALESCED_COMMANDS:
                         outbox.flush()  # this one may take long (a FETCH): answer the others
-                    reply = self._dispatch(peer, command, argument)
+                    try:
+                        reply = self._dispatch(peer, command, argument)
+                    except Exception as exc:
+                        # This request's failure, not the connection's: the requests after
+                        # it (a warm's next thousands of files) are still answered.  Logged
+                        # once per connection, not once per request.
+                        if not failures:
+                            log.exception("control request %s failed", command.decode(
+                                errors="replace"))
+                        failures += 1
+                        reply = None if command in UNANSWERED_COMMANDS else \
+                            Reply({"ok": False, "error": str(exc) or type(exc).__name__})
                     if reply is not None:
                         outbox.add(reply)
             finally:

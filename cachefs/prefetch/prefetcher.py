@@ -415,8 +415,12 @@ class Prefetcher:
         try:
             relpath, attr = resolve(normalize(raw, self.mountpoint), self.attrs, self.remote,
                                     caller)
-        except (NotInTree, FileNotFoundError, NotADirectoryError, PermissionError) as exc:
-            return {"ok": False, "error": f"not a readable file in the tree ({exc})"}
+        except (OSError, CachefsError) as exc:
+            # Every failure is this path's answer: one escaping would close the warm's
+            # connection, and with it the warm (a name too long, say, or a remote gone).
+            if isinstance(exc, NotInTree) or getattr(exc, "errno", None) in _INVALID_ERRNOS:
+                return {"ok": False, "error": f"not a readable file in the tree ({exc})"}
+            return {"ok": False, "error": str(exc) or type(exc).__name__}
         key = relpath_key(relpath)
         admission = self.store.admission
         eligible = admission.eligible(relpath)
