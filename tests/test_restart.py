@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -482,6 +483,29 @@ def test_only_the_daemons_user_may_take_its_mount(source, remote, mount_cachefs)
                                 "error": "only the daemon's own user may take its mount over"}
     assert count == "0"
     assert (mount.path / "a.bin").read_bytes() == b"a"  # still serving, nothing handed
+
+
+def test_the_mount_is_let_go_only_for_the_token_of_its_handover(source, remote, mount_cachefs):
+    """A client of the daemon's user that asks for the descriptor and then says RELINQUISH
+    without the token of the reply (a script sending commands blindly) does not end it."""
+    (source / "a.bin").write_bytes(b"a")
+    mount = mount_cachefs(remote.path)
+    pid = mount.status()["pid"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(os.readlink(mount.path / ".cachefs.sock"))
+        sock.sendall(b"HANDOVER\n")
+        line, fds, _flags, _addr = socket.recv_fds(sock, 4096, 4)
+        for fd in fds:
+            os.close(fd)
+        assert json.loads(line)["ok"] and len(fds) == 1
+        reader = sock.makefile("rb")
+        for asked in (b"RELINQUISH\n", b"RELINQUISH 0123456789abcdef\n"):
+            sock.sendall(asked)
+            assert json.loads(reader.readline()) == {
+                "ok": False, "error": "RELINQUISH needs the token HANDOVER gave"}
+    assert (mount.path / "a.bin").read_bytes() == b"a"  # still serving
+    assert mount.status()["pid"] == pid and alive(pid)
 
 
 # -- a rolling update's new pod (cachefs mount --take-over) -------------------------------------

@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import sqlite3
@@ -118,7 +119,9 @@ class Daemon:
         self.session: Session | None = None
         # The process HANDOVER gave the mount to; 0 when it is in a PID namespace this one
         # cannot see (another pod's), hence None for "nobody yet".
-        self._handing_to: int | None = None
+        # The process HANDOVER gave the mount's descriptor to, and the token its RELINQUISH
+        # must bring back: a client that sends commands blindly cannot end the daemon.
+        self._handing_to: tuple[int, str] | None = None
         self._mount_text = str(settings.mountpoint)  # what request paths are relative to
         self.started_at = time.time()
         self.metrics = Metrics()
@@ -534,20 +537,24 @@ class Daemon:
                                                 "mount over"})
         if session is None or session.fd < 0 or succession is None:
             return Reply({"ok": False, "error": "not serving a mount"})
-        self._handing_to = peer.pid
+        token = secrets.token_hex(16)
+        self._handing_to = (peer.pid, token)
         connection = session.connection
         log.info("handing the mount over to process %d", peer.pid)
-        return Reply({"ok": True, "pid": os.getpid(), "version": __version__,
+        return Reply({"ok": True, "pid": os.getpid(), "version": __version__, "token": token,
                       "connection": takeover.connection_text(connection) if connection else None,
                       "restarts": succession.restarts, "mounted_at": succession.mounted_at},
                      fd=os.dup(session.fd))
 
     def _relinquish_request(self, peer: Peer, argument: bytes) -> Reply:
-        """Exit at once for the daemon that took the descriptor: as a killed one would
+        """Exit at once for the daemon that took the descriptor (``RELINQUISH <token>``, the
+        token of its HANDOVER's reply): as a killed one would
         (nothing unmounted, the tables left for it, the requests in flight resent to it), with
         the index's pending writes committed and its supervisor exiting with it."""
-        if self._handing_to is None or self._handing_to != peer.pid:
+        if self._handing_to is None or self._handing_to[0] != peer.pid:
             return Reply({"ok": False, "error": "HANDOVER first"})
+        if argument.strip() != self._handing_to[1].encode():
+            return Reply({"ok": False, "error": "RELINQUISH needs the token HANDOVER gave"})
         log.info("process %d took the mount over; exiting", peer.pid)
         try:
             if self.succession is not None:

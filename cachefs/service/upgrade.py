@@ -9,7 +9,8 @@ may run another version of cachefs (the one ``cachefs upgrade`` itself runs from
    so far), then tells it to go (``RELINQUISH``): it exits at once, as a killed one would,
    and its supervisor with it, without unmounting.  The requests it had read and not answered
    are resent to the successor (kernel/takeover.py); its node and handle tables stay in the
-   runtime directory for the successor, as after a crash.
+   runtime directory for the successor, as after a crash.  RELINQUISH brings back the token
+   of HANDOVER's reply, so that no client sending commands blindly ends the daemon.
 3. The new supervisor forks its serving child on the descriptor, which takes the mount over
    once the old one is gone (the cache dir's lock is free), and reports ready; ``cachefs
    upgrade`` prints the pause and returns.
@@ -101,12 +102,21 @@ def receive_mount(control_path: str) -> Handover:
                              f"{reply.get('error', 'no descriptor')}")
         fd = fds[0]
         connection = reply.get("connection")
+        refusal = b""
         try:
-            sock.sendall(b"RELINQUISH\n")
-            while sock.recv(4096):  # until it is gone: end of file
-                pass
+            sock.sendall(b"RELINQUISH %s\n" % str(reply.get("token", "")).encode())
+            # It exits without answering (end of file); a refusal is one line.
+            while not refusal.endswith(b"\n") and (chunk := sock.recv(4096)):
+                refusal += chunk
         except OSError:
             pass
+        if refusal:
+            os.close(fd)
+            try:
+                error = json.loads(refusal).get("error", "no reason given")
+            except (ValueError, AttributeError):
+                error = refusal.decode(errors="replace").strip()
+            raise UsageError(f"the running daemon refused to hand its mount over: {error}")
     finally:
         sock.close()
     old_pid = int(reply["pid"])  # as its own PID namespace numbers it
