@@ -570,6 +570,48 @@ def test_verify_refuses_a_cache_dir_in_use(source, remote, mount_cachefs):
     assert "Traceback" not in result.stderr
 
 
+def test_verify_mends_an_unreadable_marker_that_the_mount_refuses(source, remote,
+                                                                  mount_cachefs):
+    """A damaged cachefs-cache.json: the mount sends the user to `cachefs verify`, which
+    rewrites it (the index beside it shows the directory is a cache) and checks every chunk;
+    the mount then serves the cached files.  A directory without an index stays refused."""
+    rels = make_files(source, 10, size=(1000, 50_000))
+    mount = mount_cachefs(remote.path)
+    want = shuffled_read_all(mount.path, rels, seed=1)
+    mount.stop()
+    marker = mount.cache_dir / "cachefs-cache.json"
+    marker.write_bytes(random.Random(3).randbytes(40))
+
+    refused = run_cachefs("mount", str(remote.path), str(mount.path), "--cache-dir",
+                          str(mount.cache_dir), "--cache-size", "64M", "--metrics-addr", "0")
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines() == [
+        f"cachefs mount: cache dir {mount.cache_dir} has an unreadable cachefs-cache.json; "
+        "run 'cachefs verify' or choose a new directory"]
+
+    result = run_cachefs("verify", "--cache-dir", str(mount.cache_dir), "--json")
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert report["marker_rewritten"] and report["chunks_verified"] == len(rels)
+    assert report["corrupt_chunks"] == 0 and report["files"] == len(rels)
+    again = run_cachefs("verify", "--cache-dir", str(mount.cache_dir))
+    assert again.returncode == 0 and "no problems found" in again.stdout, again.stdout
+
+    mount.start()
+    assert shuffled_read_all(mount.path, rels, seed=2) == want
+    assert mount.metric("cachefs_file_opens_total", result="hit") == len(rels)
+    assert mount.metric("cachefs_remote_read_bytes_total") == 0
+
+    stranger = mount.cache_dir.parent / "not-a-cache"
+    stranger.mkdir()
+    (stranger / "cachefs-cache.json").write_text("{")
+    result = run_cachefs("verify", "--cache-dir", str(stranger))
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"cachefs verify: {stranger} has an unreadable cachefs-cache.json and no cachefs "
+        "index beside it; choose a new directory"]
+    assert (stranger / "cachefs-cache.json").read_text() == "{"
+
+
 def test_verify_checks_every_chunk_and_drops_the_bad_ones(source, remote, mount_cachefs):
     rels = make_files(source, 30, size=(1000, 100_000))
     (source / "shard.bin").write_bytes(random.Random(5).randbytes(9 * 2**20))

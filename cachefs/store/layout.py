@@ -58,6 +58,15 @@ BLOCK_BYTES = 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+def _read_marker(marker: Path) -> tuple[int, int] | None:
+    """(format, chunk bytes) of a cache dir's marker; None when it cannot be read."""
+    try:
+        info = json.loads(marker.read_text())
+        return info["format"], info["chunk_bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def allocated_bytes(st: os.stat_result) -> int:
     """Bytes a file occupies on disk, as du counts them."""
     return max(st.st_blocks * 512, -(-st.st_size // BLOCK_BYTES) * BLOCK_BYTES)
@@ -114,14 +123,13 @@ class CacheLayout:
                 "choose a writable directory on the local SSD"
             ) from None
         if MARKER_NAME in entries:
-            try:
-                info = json.loads(marker.read_text())
-                version, chunk = info["format"], info["chunk_bytes"]
-            except (OSError, ValueError, KeyError, TypeError):
+            info = _read_marker(marker)
+            if info is None:
                 raise UsageError(
                     f"cache dir {self.root} has an unreadable {MARKER_NAME}; "
                     "run 'cachefs verify' or choose a new directory"
-                ) from None
+                )
+            version, chunk = info
             if version in OLDER_FORMATS and chunk == self.chunk_bytes:
                 self._empty_older_format(version, marker)
             elif version != FORMAT_VERSION or chunk != self.chunk_bytes:
@@ -140,6 +148,20 @@ class CacheLayout:
             self.root.chmod(0o700)
         for sub in (self.index_dir, self.data_dir, self.tmp_dir):
             sub.mkdir(mode=0o700, exist_ok=True)
+
+    def repair_marker(self) -> bool:
+        """Rewrite a marker that cannot be read (a damaged disk) in a directory laid out as
+        ours, its index present; True when it was rewritten.  For `cachefs verify` only,
+        which then checks every stored chunk against its checksum: what the marker no
+        longer says (the format the chunks were written in) is checked chunk by chunk."""
+        marker = self.root / MARKER_NAME
+        if _read_marker(marker) is not None:
+            return False
+        if not self.index_dir.is_dir() or not self.data_dir.is_dir():
+            raise UsageError(f"{self.root} has an unreadable {MARKER_NAME} and no cachefs "
+                             "index beside it; choose a new directory")
+        self._write_marker(marker)
+        return True
 
     def _empty_older_format(self, version: int, marker: Path) -> None:
         """Our own cache in a format this version no longer reads: emptied, not refused, so

@@ -15,8 +15,8 @@ from pathlib import Path
 from cachefs.errors import UsageError
 from cachefs.sizes import format_bytes
 from cachefs.store.admission import FractionAdmission
-from cachefs.store.layout import MARKER_NAME
-from cachefs.store.store import CacheStore
+from cachefs.store.layout import MARKER_NAME, CacheLayout
+from cachefs.store.store import CHUNK_BYTES, CacheStore
 
 
 def verify(cache_dir: Path, *, as_json: bool = False) -> int:
@@ -24,23 +24,28 @@ def verify(cache_dir: Path, *, as_json: bool = False) -> int:
     if not (cache_dir / MARKER_NAME).is_file():
         raise UsageError(f"{cache_dir} is not a cachefs cache dir (no {MARKER_NAME})")
     started = time.monotonic()
+    # Before the store opens (it refuses such a marker); a daemon cannot be using the
+    # directory meanwhile, having refused it too.
+    marker_rewritten = CacheLayout(cache_dir, CHUNK_BYTES).repair_marker()
     store = CacheStore.open(cache_dir, capacity_bytes=2**62, admission=FractionAdmission(1.0),
                             verify_data=True)
     report = store.startup_report
     store.close()
     elapsed = time.monotonic() - started
     if as_json:
-        print(json.dumps({**dataclasses.asdict(report), "seconds": round(elapsed, 2)}))
+        print(json.dumps({**dataclasses.asdict(report), "marker_rewritten": marker_rewritten,
+                          "seconds": round(elapsed, 2)}))
     else:
         print(f"verified {report.chunks_verified:,} chunks of {report.files:,} files "
               f"({format_bytes(report.data_bytes)}) in {elapsed:.1f} s")
-        for label, value in (("corrupt chunks dropped", report.corrupt_chunks),
+        for label, value in (("unreadable cachefs-cache.json rewritten", int(marker_rewritten)),
+                             ("corrupt chunks dropped", report.corrupt_chunks),
                              ("missing chunks dropped", report.missing_chunks),
                              ("unaccounted files removed", report.orphan_files),
                              ("inconsistent records dropped", report.miscounted_files),
                              ("unfinished fills removed", report.leftover_fills)):
             if value:
                 print(f"  {label}: {value:,}")
-        if not report.problems:
+        if not report.problems and not marker_rewritten:
             print("  no problems found")
-    return 1 if report.problems else 0
+    return 1 if report.problems or marker_rewritten else 0
