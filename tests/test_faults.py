@@ -612,6 +612,44 @@ def test_verify_mends_an_unreadable_marker_that_the_mount_refuses(source, remote
     assert (stranger / "cachefs-cache.json").read_text() == "{"
 
 
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_a_damaged_index_empties_the_cache_and_the_mount_serves(source, remote, mount_cachefs,
+                                                                damage):
+    """The index's file damaged on the cache disk, after a clean stop: the mount starts all
+    the same, with the cache emptied (the checksums went with the index), counts an integrity
+    failure and serves the remote's bytes, filling the cache again.  `cachefs verify` says
+    what it dropped."""
+    rels = make_files(source, 20, size=(1000, 50_000))
+    mount = mount_cachefs(remote.path)
+    want = shuffled_read_all(mount.path, rels, seed=1)
+    mount.stop()
+    database = mount.cache_dir / "index" / "cache.db"
+    if damage == "truncated":
+        os.truncate(database, 5000)
+    else:
+        with open(database, "r+b") as f:
+            f.seek(8192)
+            f.write(random.Random(7).randbytes(4096))
+    before = {p for p in (mount.cache_dir / "data").rglob("*") if p.is_file()}
+    assert len(before) == len(rels)
+
+    if damage == "truncated":  # cachefs verify first: it says so, and empties the cache
+        result = run_cachefs("verify", "--cache-dir", str(mount.cache_dir))
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.stdout.splitlines()[0] == \
+            "the index was damaged (database disk image is malformed): dropped, the cache emptied"
+        assert "Traceback" not in result.stderr
+    mount.start()
+    assert mount.metric("cachefs_integrity_failures_total") == (damage == "overwritten")
+    assert mount.metric("cachefs_cache_files") == 0
+    assert not any(p.is_file() for p in (mount.cache_dir / "data").rglob("*"))
+    assert shuffled_read_all(mount.path, rels, seed=2) == want
+    assert mount.metric("cachefs_file_opens_total", result="hit") == 0
+    wait_for(lambda: mount.metric("cachefs_cache_files") == len(rels), timeout=30)
+    assert shuffled_read_all(mount.path, rels, seed=3) == want
+    assert mount.metric("cachefs_file_opens_total", result="hit") == len(rels)
+
+
 def test_verify_checks_every_chunk_and_drops_the_bad_ones(source, remote, mount_cachefs):
     rels = make_files(source, 30, size=(1000, 100_000))
     (source / "shard.bin").write_bytes(random.Random(5).randbytes(9 * 2**20))

@@ -168,9 +168,15 @@ class CacheLayout:
         that an upgrade needs no hand work.  Only our subdirectories are touched."""
         log.warning("cache dir %s holds format %d of an older cachefs: emptied; it fills "
                     "again as files are read", self.root, version)
+        self.empty()
+        self._write_marker(marker)
+
+    def empty(self) -> None:
+        """Remove the index and every cached file (our subdirectories only), and make the
+        subdirectories anew."""
         for sub in (self.index_dir, self.data_dir, self.tmp_dir):
             shutil.rmtree(sub, ignore_errors=True)
-        self._write_marker(marker)
+            sub.mkdir(mode=0o700, exist_ok=True)
 
     def _write_marker(self, marker: Path) -> None:
         tmp = marker.with_suffix(".tmp")

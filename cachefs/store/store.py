@@ -158,6 +158,26 @@ def _key_hash(key: bytes) -> int:
     return _checksum(key)
 
 
+def _open_index(layout: CacheLayout) -> tuple[CacheIndex, str | None]:
+    """The cache's index, and None; or, for a damaged one, a new index and why the old one
+    was dropped.  A damaged index (not a database, or its pages malformed: the cache disk's
+    fault) goes with the files it accounted for, whose checksums it held, and the cache
+    starts empty: it holds copies, and a mount refused for them would stop the node's
+    training.  A disk that fails to read or write (OperationalError: I/O error, full,
+    locked) is refused as ever."""
+    try:
+        return CacheIndex(layout.index_dir), None
+    except sqlite3.DatabaseError as exc:
+        if isinstance(exc, sqlite3.OperationalError):
+            raise
+        reason = str(exc) or type(exc).__name__
+    log.warning("cache %s: its index is damaged (%s): emptied; the cache fills again as "
+                "files are read", layout.root, reason)
+    layout.empty()
+    take_clean_stop(layout)  # its account was the damaged index's
+    return CacheIndex(layout.index_dir), reason
+
+
 def _checked_as(st: os.stat_result) -> tuple[int, int, int]:
     """What changes when anything writes to a file, or puts another file in its place (its
     size too, which the record holds apart)."""
@@ -241,6 +261,8 @@ class CacheStore:
         self._chunk_writes: collections.Counter[str] = collections.Counter()
         self.ready = threading.Event()  # set once the account is known (reconciled)
         self.startup_report = CheckReport()
+        # Why the index this start found was dropped, the cache emptied with it (_open_index).
+        self.dropped_index: str | None = None
 
     @classmethod
     def open(
@@ -265,8 +287,11 @@ class CacheStore:
         layout.prepare()
         layout.lock(lock_wait_seconds)
         try:
-            store = cls(layout, CacheIndex(layout.index_dir), capacity_bytes, admission,
-                        on_integrity_failure)
+            index, dropped = _open_index(layout)
+            store = cls(layout, index, capacity_bytes, admission, on_integrity_failure)
+            if dropped is not None:
+                store.dropped_index = dropped
+                on_integrity_failure()
             clean = None if verify_data else take_clean_stop(layout)
             if clean is not None:
                 store._resume(*clean)

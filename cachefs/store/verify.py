@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sqlite3
 import time
 from pathlib import Path
 
@@ -27,15 +28,21 @@ def verify(cache_dir: Path, *, as_json: bool = False) -> int:
     # Before the store opens (it refuses such a marker); a daemon cannot be using the
     # directory meanwhile, having refused it too.
     marker_rewritten = CacheLayout(cache_dir, CHUNK_BYTES).repair_marker()
-    store = CacheStore.open(cache_dir, capacity_bytes=2**62, admission=FractionAdmission(1.0),
-                            verify_data=True)
-    report = store.startup_report
+    try:
+        store = CacheStore.open(cache_dir, capacity_bytes=2**62,
+                                admission=FractionAdmission(1.0), verify_data=True)
+    except (OSError, sqlite3.Error) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UsageError(f"cannot open the cache in {cache_dir}: {reason}") from None
+    report, dropped_index = store.startup_report, store.dropped_index
     store.close()
     elapsed = time.monotonic() - started
     if as_json:
         print(json.dumps({**dataclasses.asdict(report), "marker_rewritten": marker_rewritten,
-                          "seconds": round(elapsed, 2)}))
+                          "dropped_index": dropped_index, "seconds": round(elapsed, 2)}))
     else:
+        if dropped_index is not None:
+            print(f"the index was damaged ({dropped_index}): dropped, the cache emptied")
         print(f"verified {report.chunks_verified:,} chunks of {report.files:,} files "
               f"({format_bytes(report.data_bytes)}) in {elapsed:.1f} s")
         for label, value in (("unreadable cachefs-cache.json rewritten", int(marker_rewritten)),
@@ -46,6 +53,7 @@ def verify(cache_dir: Path, *, as_json: bool = False) -> int:
                              ("unfinished fills removed", report.leftover_fills)):
             if value:
                 print(f"  {label}: {value:,}")
-        if not report.problems and not marker_rewritten:
-            print("  no problems found")
-    return 1 if report.problems or marker_rewritten else 0
+    mended = marker_rewritten or dropped_index is not None
+    if not as_json and not report.problems and not mended:
+        print("  no problems found")
+    return 1 if report.problems or mended else 0
