@@ -356,14 +356,14 @@ class CacheLayout:
         """A read-only descriptor of a data file (FileNotFoundError when it is gone)."""
         return os.open(self.data_path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
 
-    def remove_data(self, key: bytes) -> int:
-        """Remove a data file; the bytes it had allocated (0 when it was gone)."""
+    def remove_data(self, key: bytes) -> int | None:
+        """Remove a data file; the bytes it had allocated (None when it was gone)."""
         path = self.data_path(key)
         try:
             allocated = allocated_bytes(os.stat(path))
             os.unlink(path)
         except FileNotFoundError:
-            return 0
+            return None
         return allocated
 
     def fan_dir_bytes_of(self, key: bytes) -> tuple[str, int]:

@@ -158,6 +158,15 @@ def _key_hash(key: bytes) -> int:
     return _checksum(key)
 
 
+def _allocation_of(record: FileRecord) -> int:
+    """The bytes a data file of ``record`` takes on the disk, at least: its stored chunks, in
+    blocks (its fill accounted what it measured, these and any the file system added)."""
+    size = record.attr.size
+    stored = size if record.stored_chunks >= chunk_count(size) \
+        else record.stored_chunks * CHUNK_BYTES
+    return -(-stored // BLOCK_BYTES) * BLOCK_BYTES
+
+
 def _open_index(layout: CacheLayout) -> tuple[CacheIndex, str | None]:
     """The cache's index, and None; or, for a damaged one, a new index and why the old one
     was dropped.  A damaged index (not a database, or its pages malformed: the cache disk's
@@ -1081,7 +1090,11 @@ class CacheStore:
                 ckey = chunk_key(key, number)
                 if self.index.get_chunk(ckey) is not None:
                     self.index.delete(ckey)
-        self._data_bytes -= self.layout.remove_data(data_key(key, record.version))
+        freed = self.layout.remove_data(data_key(key, record.version))
+        # At least what its fill put on the account: a data file removed or cut short behind
+        # the daemon's back would otherwise stay on it for good.
+        accounted = _allocation_of(record)
+        self._data_bytes -= accounted if freed is None else max(freed, accounted)
         self.index.delete(key)
         # Removing data may bring the store back under budget for later fills.
         self._full = False
@@ -1120,7 +1133,7 @@ class CacheStore:
                 self.index.delete(chunk_key(key, number))
         freed = self.layout.remove_data(data_key(key, version))
         self.index.delete(key)
-        return freed
+        return freed or 0  # the reconciliation counts what is on the disk
 
     def exceeds_capacity(self, data_bytes: int) -> bool:
         """Whether data files of ``data_bytes``, with the rest, would not fit the budget (it
