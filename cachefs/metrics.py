@@ -8,16 +8,26 @@ path never becomes a label.  Dashboards and scripts rely on these names.
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from cachefs.address import MetricsAddress
+from cachefs.boundedserver import BoundedThreads
 from cachefs.errors import UsageError
 
 log = logging.getLogger(__name__)
+
+# Scrapes answered at once, at most: a Prometheus or two and someone with curl.  The
+# endpoint may listen on the node's network (a DaemonSet's 0.0.0.0:9477).
+MAX_METRICS_CONNECTIONS = 32
+# A scrape sends its request at once: a connection silent this long is closed.
+METRICS_IDLE_SECONDS = 10.0
 
 READ_SOURCES = ("cache", "remote", "prefetch", "peer")
 OPEN_RESULTS = ("hit", "prefetched", "miss")
@@ -230,13 +240,18 @@ class Metrics:
     def serve(self, address: MetricsAddress) -> int:
         """Start the /metrics HTTP endpoint; returns the bound port."""
         try:
-            self._server, _thread = start_http_server(
-                address.port, addr=address.host, registry=self.registry)
+            family, _, _, _, sockaddr = socket.getaddrinfo(
+                address.host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            server_class = _MetricsServer6 if family == socket.AF_INET6 else _MetricsServer
+            self._server = server_class(sockaddr[:2], _QuietHandler)
         except OSError as exc:
             raise UsageError(
                 f"cannot serve metrics on {address}: {exc.strerror}; "
                 "pass --metrics-addr HOST:PORT with a free port, or 0 to turn metrics off"
             ) from None
+        self._server.set_app(make_wsgi_app(self.registry))
+        threading.Thread(target=self._server.serve_forever, name="metrics",
+                         daemon=True).start()
         port = self._server.server_port
         log.info("metrics on http://%s/metrics", MetricsAddress(address.host, port))
         return port
@@ -246,6 +261,22 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _MetricsServer(BoundedThreads, WSGIServer):
+    max_connections = MAX_METRICS_CONNECTIONS
+    what = "metrics connections"
+
+
+class _MetricsServer6(_MetricsServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_IDLE_SECONDS
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 (the library's name)
+        pass  # a line on stderr per scrape otherwise
 
 
 class _Collections(Collector):

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -486,6 +487,59 @@ def test_flood_of_hints_and_junk_is_shrugged_off(source, remote, mount_cachefs):
     # Memory: the hint queue is bounded, long lines are skipped, never buffered.
     assert after["VmHWM"] - before["VmRSS"] < 200 * 2**20
     assert hints["invalid"] >= 3  # at least the long lines were counted
+
+
+def _closed_by_server(connection: socket.socket) -> bool:
+    connection.setblocking(False)
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _scraped(mount) -> bool:
+    try:
+        return mount.metric("cachefs_file_opens_total", result="miss") > 0
+    except OSError:  # refused while the flood's connections were being let go
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_a_flood_of_metrics_connections_takes_a_bounded_share_of_threads(source, remote,
+                                                                         mount_cachefs):
+    """/metrics may listen on the node's network (a DaemonSet's 0.0.0.0): connections that
+    send nothing take a thread each up to a cap, those past it are closed at once, a silent
+    one is closed after a while, and the mount serves throughout."""
+    from cachefs.metrics import MAX_METRICS_CONNECTIONS, METRICS_IDLE_SECONDS
+
+    rels = make_files(source, 20, size=(1000, 20_000))
+    mount = mount_cachefs(remote.path)
+    before = process_figures(mount.pid)
+    address = urllib.parse.urlsplit(mount.metrics_url)
+    flood = []
+    try:
+        for _ in range(MAX_METRICS_CONNECTIONS + 200):  # connected, never a byte sent
+            flood.append(socket.create_connection((address.hostname, address.port), timeout=5))
+        wait_for(lambda: sum(map(_closed_by_server, flood)) >= 200, timeout=30,
+                 what="the connections past the cap closed")
+        assert process_figures(mount.pid)["threads"] <= \
+            before["threads"] + MAX_METRICS_CONNECTIONS + 16
+        for rel in rels:
+            assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
+    finally:
+        for connection in flood:
+            connection.close()
+    wait_for(lambda: _scraped(mount), timeout=30, what="a scrape answered after the flood")
+    silent = socket.create_connection((address.hostname, address.port), timeout=5)
+    try:
+        started = time.monotonic()
+        wait_for(lambda: _closed_by_server(silent), timeout=METRICS_IDLE_SECONDS + 20,
+                 what="a silent connection closed")
+        assert time.monotonic() - started >= METRICS_IDLE_SECONDS - 1
+    finally:
+        silent.close()
 
 
 # Runs as an unprivileged user: holds as many control connections as it can get, PINGs on

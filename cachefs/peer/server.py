@@ -25,6 +25,7 @@ import logging
 import sys
 import threading
 
+from cachefs.boundedserver import BoundedThreads
 from cachefs.errors import CacheCorrupt, CachefsError, RemoteChanged
 from cachefs.peer import protocol
 from cachefs.peer.members import split
@@ -150,41 +151,15 @@ def _parents(relpath: str):
         yield "/".join(parts[:end])
 
 
-class HTTPServer(http.server.ThreadingHTTPServer):
+class HTTPServer(BoundedThreads, http.server.HTTPServer):
     """The peer endpoint's HTTP: each request answered by ``peer.answer(path, headers)``."""
 
-    daemon_threads = True
-    block_on_close = False
+    max_connections = MAX_CONNECTIONS
+    what = "peer connections"
     # Every peer's readers and prefetchers may connect at once (the library's 5 drops
     # connections under a hinted epoch, which then wait a second for the SYN again).
     request_queue_size = 1024
     peer: PeerServer  # or anything with its answer()
-
-    def __init__(self, *args, **kwargs) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._refusing = False  # logged once per flood, not per connection
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            if not self._refusing:
-                log.warning("peer connections refused: %d open already (the latest from %s)",
-                            MAX_CONNECTIONS, client_address[0])
-            self._refusing = True
-            self.shutdown_request(request)
-            return
-        self._refusing = False
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
 
     def handle_error(self, request, client_address) -> None:
         # The library prints a traceback for whatever a handler raised; a peer that died or
