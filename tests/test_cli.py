@@ -152,6 +152,10 @@ def test_metrics_port_in_use(setup):
     ("cache_sise = '1G'\n", ["unknown setting", "cache_sise"]),
     ("fraction = 'most'\n", ["fraction in", "not a fraction"]),
     ("cache_size = 12\n", ["cache_size in", "minimum"]),
+    ("cache_size = '1G'\nseed = 1.5\n", ["seed in", "1.5 is not a seed"]),
+    ("cache_size = '1G'\nheld_files = 70000.5\n", ["held_files in", "not a whole number"]),
+    ("cache_size = '1G'\nruntime_dir = '/dev/null/cachefs'\n",
+     ["--runtime-dir", "/dev/null is not a directory"]),
 ])
 def test_bad_config_files(setup, tmp_path, content, words):
     source, mnt, cache = setup

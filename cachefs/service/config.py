@@ -96,7 +96,9 @@ def _path(value: Any) -> Path:
 def _number(value: Any, kind: type, problem: str) -> Any:
     """``kind(value)``, or a ValueError that says what was expected instead of Python's text."""
     try:
-        if isinstance(value, bool):
+        # A config file's true is no number, and its 1.5 no whole one (int() would take 1).
+        if isinstance(value, bool) or (kind is int and isinstance(value, float)
+                                       and not value.is_integer()):
             raise ValueError
         return kind(value)
     except (TypeError, ValueError, OverflowError):

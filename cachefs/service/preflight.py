@@ -3,7 +3,8 @@
 BACKING must be a readable directory; MOUNTPOINT an empty directory that is not
 mounted (a stale mount left by a crashed daemon is cleaned up and reported);
 the three paths must not contain one another, since a cache inside BACKING
-would be read back as data and a mount inside BACKING would list itself.
+would be read back as data and a mount inside BACKING would list itself; a
+--runtime-dir given must be a directory, or one that can be made.
 """
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ def check_paths(settings: Settings) -> None:
     if _inside(cache_dir, mountpoint) or _inside(mountpoint, cache_dir):
         raise UsageError(f"--cache-dir {settings.cache_dir} and MOUNTPOINT must not contain each "
                          "other; choose a cache dir elsewhere")
+    if settings.runtime_dir is not None:
+        check_runtime_dir(settings.runtime_dir)
+
+
+def check_runtime_dir(runtime_dir: Path) -> None:
+    """--runtime-dir (the control socket, the node and handle tables) must be a directory
+    this user may write, or one that can be made under one."""
+    existing = runtime_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"--runtime-dir {runtime_dir}: {existing} is not a directory; "
+                         "choose a directory on a tmpfs such as /run")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--runtime-dir {runtime_dir}: {existing} is not writable by this "
+                         "user")
 
 
 def prepare_mountpoint(mountpoint: Path) -> str | None:
