@@ -361,6 +361,19 @@ def test_status_names_the_data_path_and_watch_into_a_pipe_stays_plain(source, mo
         assert any(line.startswith("  data path    served by the daemon") for line in block)
         assert block[-1].startswith("  at ")
 
+    # A reader that stops reading (`| head`) ends the watch quietly.
+    watcher = subprocess.Popen([sys.executable, "-m", "cachefs", "status", "--watch", "0.2",
+                                str(mount.path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=REPO)
+    watcher.stdout.readline()
+    watcher.stdout.close()
+    assert watcher.wait(timeout=30) == 0
+    assert watcher.stderr.read() == b""
+    # An interval it would spin on, or none, is refused in one line.
+    for interval in ("0", "-1", "soon"):
+        assert_refused(run_cachefs("status", "--watch", interval, str(mount.path)),
+                       "--watch", "a number of seconds, 0.2 or more")
+
 
 def test_watch_and_warm_on_a_terminal_draw_with_rich(tmp_path, source, mount_cachefs):
     rels = make_files(source, 40, size=2000)

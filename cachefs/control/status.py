@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -175,6 +176,10 @@ def _table(st: dict | None, error: str | None, interval: float):
     return table
 
 
+# Each refresh costs the daemon a few milliseconds of CPU: no faster than this.
+MIN_WATCH_SECONDS = 0.2
+
+
 def watch(fetch: Callable[[], dict], interval: float) -> int:
     """Show the status every ``interval`` seconds until Ctrl-C.
 
@@ -182,7 +187,6 @@ def watch(fetch: Callable[[], dict], interval: float) -> int:
     plain status again and again, each followed by a line with the time, a blank line
     between them.
     """
-    interval = max(0.2, interval)
     try:
         if sys.stdout.isatty():
             return _watch_live(fetch, interval)
@@ -195,6 +199,11 @@ def watch(fetch: Callable[[], dict], interval: float) -> int:
             sys.stdout.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        # The reader went away (`| head`): done, as for Ctrl-C.  What is left in the buffer
+        # goes nowhere, or the interpreter's last flush would fail the same way.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import logging.handlers
+import math
 import os
 import select
 import subprocess
@@ -21,7 +22,7 @@ from typing import Any
 import shtab
 
 from cachefs import __version__
-from cachefs.control.status import format_status, watch
+from cachefs.control.status import MIN_WATCH_SECONDS, format_status, watch
 from cachefs.errors import UsageError
 from cachefs.service.config import DEFAULT_METRICS_PORT, build_settings, read_config_file
 
@@ -119,6 +120,17 @@ NOT_FOR_FSTAB = {
 }
 
 
+def _watch_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not MIN_WATCH_SECONDS <= seconds < math.inf:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds, {MIN_WATCH_SECONDS:g} or more")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cachefs", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
@@ -144,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="hit ratio, cache use and traffic of a mount")
     status.add_argument("mountpoint")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
+    status.add_argument("--watch", nargs="?", const=2.0, type=_watch_seconds,
+                        metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until interrupted")
     status.add_argument("--served-here", action="store_true",
                         help="fail unless the daemon serving the mount runs in this PID "
@@ -480,7 +493,7 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from cachefs.control.client import status as fetch_status
 
-    if args.watch:
+    if args.watch is not None:
         return watch(lambda: fetch_status(args.mountpoint), args.watch)
     st = fetch_status(args.mountpoint)
     if args.served_here and not _served_here(st):
