@@ -557,6 +557,26 @@ def test_warm_fills_the_cache_from_a_list(tmp_path, source, remote, mount_cachef
     assert mount.metric("cachefs_file_opens_total", result="hit") == 50
 
 
+def test_warm_of_every_file_passes_over_a_name_it_cannot_send(source, mount_cachefs):
+    """A walk of the mount finds a name holding a newline, which a request line cannot carry:
+    it fails alone, and every other file is answered as itself (the answers once slid by
+    one from there on, and the warm ended in a traceback)."""
+    rels = make_files(source, 30, size=100)
+    (source / "class0000" / "two\nlines.bin").write_bytes(b"x" * 100)
+    mount = mount_cachefs(source, cache_size="64MiB")
+    result = run_cachefs("warm", str(mount.path))
+    assert result.returncode == 1, result.stderr
+    assert "warmed 31 files" in result.stdout and "30 fetched" in result.stdout, result.stdout
+    assert "1 failed" in result.stdout
+    assert "  failed: class0000/two\\nlines.bin: name holds a newline" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert mount.metric("cachefs_cache_files") == len(rels)
+    for bad in ("0", "257", "many"):
+        refused = run_cachefs("warm", str(mount.path), "--connections", bad)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+        assert "--connections" in refused.stderr and "from 1 to 256" in refused.stderr
+
+
 def test_warm_reads_the_list_from_stdin(source, mount_cachefs):
     rels = make_files(source, 10, size=100)
     mount = mount_cachefs(source, cache_size="64MiB")

@@ -256,8 +256,12 @@ class _Warm:
                 if block.read == BLOCK_PATHS:
                     block.digest = block.hasher.intdigest()
                 line = b"FETCH " + path + b"\n"
-                if len(line) > MAX_LINE_BYTES + 1:  # the daemon would skip it, unanswered
-                    self._answer(number, path, None)
+                # The daemon would skip a line too long, unanswered; a name holding a newline
+                # (one a walk of the mount found) would be two requests, and every answer
+                # after it taken for the path before.
+                if len(line) > MAX_LINE_BYTES + 1 or b"\n" in path:
+                    why = "path too long" if b"\n" not in path else "name holds a newline"
+                    self._answer(number, path, None, why)
                     continue
                 conn.inflight.append((number, path))
                 conn.outgoing.append(line)
@@ -295,8 +299,11 @@ class _Warm:
             start = end + 1
         del received[:start]
 
-    def _answer(self, number: int, path: bytes, reply: bytes | None) -> None:
-        result, size, error = _parse(reply)
+    def _answer(self, number: int, path: bytes, reply: bytes | None,
+                unsent: str = "") -> None:
+        """Count the daemon's ``reply`` for ``path``; None for a path not sent, ``unsent``
+        saying why."""
+        result, size, error = _parse(reply) if reply is not None else ("failed", 0, unsent)
         block = self._blocks[number]
         if result == "fetched":
             block.new_bytes += size
@@ -305,7 +312,8 @@ class _Warm:
         self.counts[result] += 1
         block.answered += 1  # last: a block is only saved once its counts are all in
         if error is not None and len(self.errors) < MAX_ERRORS_SHOWN:
-            self.errors.append(f"{os.fsdecode(path)}: {error}")
+            shown = os.fsdecode(path).replace("\n", "\\n")  # one line per failure
+            self.errors.append(f"{shown}: {error}")
 
     def _advance(self) -> None:
         """Move the blocks answered whole, in order from the start, into ``done``."""
@@ -316,10 +324,8 @@ class _Warm:
             self._next_block += 1
 
 
-def _parse(reply: bytes | None) -> tuple[str, int, str | None]:
-    """(result, bytes fetched, error) of a FETCH reply; None: a path too long to send."""
-    if reply is None:
-        return "failed", 0, "path too long"
+def _parse(reply: bytes) -> tuple[str, int, str | None]:
+    """(result, bytes fetched, error) of a FETCH reply."""
     try:
         body = json.loads(reply)
         if body.get("ok"):

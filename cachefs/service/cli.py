@@ -131,6 +131,20 @@ def _watch_seconds(text: str) -> float:
     return seconds
 
 
+def _warm_connections(text: str) -> int:
+    # The daemon serves one user this many control connections at most.
+    from cachefs.control.server import MAX_CONNECTIONS_PER_USER
+
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_CONNECTIONS_PER_USER:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number from 1 to {MAX_CONNECTIONS_PER_USER}")
+    return count
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cachefs", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
@@ -167,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("mountpoint")
     warm.add_argument("--list", metavar="FILE", help="paths, one per line, relative to the "
                       "mount or absolute inside it; '-' reads stdin (default: every file)")
-    warm.add_argument("--connections", type=int, default=32,
+    warm.add_argument("--connections", type=_warm_connections, default=32,
                       help="files fetched at once, at most (default 32; the warm uses as many "
                       "as make it faster)")
     warm.add_argument("--restart", action="store_true",
