@@ -532,6 +532,40 @@ def test_hints_to_a_path_on_no_mount_warn_once(tmp_path):
         assert cachefs_client.send_hints([tmp_path / "c"]) == 0
 
 
+NOT_A_PATH = """
+import sys, warnings
+import torch
+from cachefs_client import DataLoader
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self): return 40
+    def __getitem__(self, i): return i
+
+if __name__ == "__main__":
+    # path_of gives the index, not a path: a slip of the user's, not a reason to stop.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = DataLoader(Numbers(), batch_size=4, num_workers=2, shuffle=True,
+                            path_of=lambda i: i, generator=torch.Generator().manual_seed(3))
+        seen = sorted(int(i) for epoch in range(2) for batch in loader for i in batch)
+    print(seen == sorted(list(range(40)) * 2))
+    print(len(caught), caught[0].message if caught else "")
+"""
+
+
+def test_a_path_of_that_gives_no_path_warns_once_and_training_goes_on(tmp_path):
+    script = tmp_path / "not_a_path.py"
+    script.write_text(NOT_A_PATH)
+    result = subprocess.run([sys.executable, "-X", "dev", str(script)], capture_output=True,
+                            text=True, timeout=100, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    every_sample, warning = result.stdout.splitlines()
+    assert every_sample == "True"
+    assert warning.startswith("1 cachefs: 0 is not a path ("), warning
+    assert "no hints are sent for such paths" in warning
+    assert "ResourceWarning" not in result.stderr and "Traceback" not in result.stderr
+
+
 # -- warm -----------------------------------------------------------------------------------------
 
 def test_warm_fills_the_cache_from_a_list(tmp_path, source, remote, mount_cachefs):

@@ -14,6 +14,7 @@ then, never more often than every few seconds.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
@@ -64,7 +65,31 @@ def not_on_mount_message(paths: PathMap, path) -> str:
             "paths")
 
 
-class DaemonLink:
+class Connection:
+    """A connection of this process to a daemon, closed by ``_close_locked`` under
+    ``_lock``; how it is let go after a fork and at exit."""
+
+    _lock: threading.Lock
+
+    def _close_locked(self) -> None:
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """In a child forked with this connection: close the child's copy, the parent's own
+        untouched.  Without the lock, which a thread of the parent may have held as it
+        forked (only this thread runs here)."""
+        self._close_locked()
+
+    def close_if_idle(self) -> None:
+        """At exit: close the connection unless a thread is using it this moment."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_locked()
+            finally:
+                self._lock.release()
+
+
+class DaemonLink(Connection):
     """The control connection of this process to the daemon of one mount.
 
     Thread safety: ``_lock`` serialises use of the socket.
@@ -104,13 +129,13 @@ class DaemonLink:
                 sock.sendall(payload)
                 return True
             except OSError as exc:
-                self._drop_locked()
+                self._close_locked()
                 warn_once(f"lost:{self.mount_point}",
                           f"lost the daemon of {self.mount_point} ({exc}); training goes on "
                           "without hints")
                 return False
 
-    def _drop_locked(self) -> None:
+    def _close_locked(self) -> None:
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -120,7 +145,8 @@ class DaemonLink:
 
     def close(self) -> None:
         with self._lock:
-            self._drop_locked()
+            self._close_locked()
+
 
 
 class _ProcessState:
@@ -133,6 +159,9 @@ class _ProcessState:
         self.readers: dict = {}  # mount point -> fastpath.DaemonReader
         self.lock = threading.Lock()
 
+    def holders(self) -> list:
+        return [*self.links.values(), *self.readers.values()]
+
 
 _state: _ProcessState | None = None
 
@@ -141,8 +170,22 @@ def process_state() -> _ProcessState:
     global _state
     state = _state
     if state is None or state.pid != os.getpid():
+        if state is not None:
+            # Forked: this process's copies of the parent's connections are closed here
+            # (else each is left to the garbage collector, a ResourceWarning each in every
+            # DataLoader worker); the parent's stay open.
+            for holder in state.holders():
+                holder.abandon()
         state = _state = _ProcessState()
     return state
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    state = _state
+    if state is not None and state.pid == os.getpid():
+        for holder in state.holders():
+            holder.close_if_idle()
 
 
 def per_process(registry: str, mount_point: str, make):
@@ -170,7 +213,9 @@ def send_hints(paths) -> int:
     locate = state.paths.locate
     by_mount: dict[str, list[bytes]] = {}
     for path in paths:
-        found = locate(path)
+        found = _locate(locate, path)
+        if found is False:
+            continue
         if found is None:
             warn_not_on_mount(state.paths, path)
             continue
@@ -190,8 +235,20 @@ def check_daemon(path) -> bool:
     before DataLoader workers start, so that workers forked after it inherit the warning
     instead of each repeating it."""
     state = process_state()
-    found = state.paths.locate(path)
-    if found is None:
-        warn_not_on_mount(state.paths, path)
+    found = _locate(state.paths.locate, path)
+    if not found:
+        if found is None:
+            warn_not_on_mount(state.paths, path)
         return False
     return link_for(found[0]).reachable()
+
+
+def _locate(locate, path):
+    """``locate(path)``; False, with a warning once, for what is no path at all (a path_of
+    that returns an index or None): training goes on, as for a path on no cachefs mount."""
+    try:
+        return locate(path)
+    except (TypeError, ValueError) as exc:  # not path-like, or a NUL in it
+        warn_once("not a path", f"{path!r} is not a path ({exc}); no hints are sent for "
+                  "such paths")
+        return False

@@ -29,7 +29,13 @@ import socket
 import threading
 
 from cachefs_client._control import Unreachable, connect
-from cachefs_client._daemon import per_process, process_state, warn_once, warn_unreachable
+from cachefs_client._daemon import (
+    Connection,
+    per_process,
+    process_state,
+    warn_once,
+    warn_unreachable,
+)
 
 # A reply may wait for a prefetch of the file to land; the mount would wait as long.
 READ_TIMEOUT_SECONDS = 60.0
@@ -49,7 +55,7 @@ HEAP_ALLOCATION_MAX_BYTES = 32 << 20  # glibc's ceiling for the mmap threshold
 KEPT_FREE_BYTES = 128 << 20
 
 
-class DaemonReader:
+class DaemonReader(Connection):
     """This process's reading connection to the daemon of one mount.
 
     Requests are pipelined: a batch's requests go out in one write and the replies
