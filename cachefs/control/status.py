@@ -10,6 +10,9 @@ from collections.abc import Callable
 from cachefs.errors import UsageError
 from cachefs.sizes import format_bytes
 
+# Each refresh costs the daemon a few milliseconds of CPU: no faster than this.
+MIN_WATCH_SECONDS = 0.2
+
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
@@ -174,10 +177,6 @@ def _table(st: dict | None, error: str | None, interval: float):
             label == "cache" and st.get("cache_write_error")
         table.add_row(label, Text(value, style="bold red" if alarm else ""))
     return table
-
-
-# Each refresh costs the daemon a few milliseconds of CPU: no faster than this.
-MIN_WATCH_SECONDS = 0.2
 
 
 def watch(fetch: Callable[[], dict], interval: float) -> int:

@@ -117,10 +117,10 @@ class Daemon:
         self.serving_since: float | None = None  # when this process started serving
         self.restart_pause: float | None = None  # death of the predecessor to serving here
         self.session: Session | None = None
-        # The process HANDOVER gave the mount to; 0 when it is in a PID namespace this one
-        # cannot see (another pod's), hence None for "nobody yet".
-        # The process HANDOVER gave the mount's descriptor to, and the token its RELINQUISH
-        # must bring back: a client that sends commands blindly cannot end the daemon.
+        # The process HANDOVER gave the mount's descriptor to (its pid 0 when it is in a PID
+        # namespace this one cannot see, another pod's; hence None for "nobody yet"), and
+        # the token its RELINQUISH must bring back: a client that sends commands blindly
+        # cannot end the daemon.
         self._handing_to: tuple[int, str] | None = None
         self._mount_text = str(settings.mountpoint)  # what request paths are relative to
         self.started_at = time.time()

@@ -148,7 +148,6 @@ class DaemonLink(Connection):
             self._close_locked()
 
 
-
 class _ProcessState:
     """What one process holds; replaced wholesale when the pid changes (after fork)."""
 
