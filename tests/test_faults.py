@@ -350,6 +350,9 @@ def test_full_cache_disk_stops_admission_and_readers_see_no_error(source, remote
     assert mount.metric("cachefs_cache_write_errors_total") >= 1
     status = mount.status()
     assert status["admitting"] is False and "No space left" in status["cache_write_error"]
+    # The budget was more than the disk from the start: said once, at the mount.
+    assert len(_log_lines(mount, "--cache-size 1 GiB is more than the cache disk holds (6 "
+                                 "MiB): the disk fills first, and admission pauses then")) == 1
     refused = _log_lines(mount, "cache disk refused a write")
     assert len(refused) == 1, refused  # said once, not once per file
     # Everything still reads right, from the cache where stored and the remote otherwise.

@@ -62,6 +62,7 @@ from cachefs.remote.remote import Remote
 from cachefs.service import affinity, collector, heap, sdnotify
 from cachefs.service.config import Settings
 from cachefs.service.memory import default_held_files, default_staging_bytes
+from cachefs.service.preflight import budget_beyond_disk
 from cachefs.service.supervisor import Succession
 from cachefs.store.admission import ClusterAdmission, FractionAdmission
 from cachefs.store.store import CacheStore
@@ -163,6 +164,8 @@ class Daemon:
             self.store = _open_store(s, admission, m, lock_wait_seconds=TAKEOVER_LOCK_WAIT
                                      if self._taking_over else 0)
             store = self.store
+            if beyond := budget_beyond_disk(s.cache_dir, s.cache_size_bytes):
+                log.warning(beyond)
             store.on_write_error = m.cache_write_errors.inc
             m.cache_capacity_bytes.set(s.cache_size_bytes)
             m.admission_fraction.set(s.fraction)

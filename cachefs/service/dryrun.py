@@ -167,6 +167,8 @@ def check(settings: Settings) -> list[str]:
         # Without a mount on it, this only looks.
         preflight.prepare_mountpoint(settings.mountpoint)
     notes.append(_cache_dir_state(settings.cache_dir))
+    if beyond := preflight.budget_beyond_disk(settings.cache_dir, settings.cache_size_bytes):
+        notes.append(beyond)
     if settings.metrics_addr is not None and settings.metrics_addr.port != 0:
         metrics = Metrics()
         try:

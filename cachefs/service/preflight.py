@@ -17,6 +17,7 @@ from pathlib import Path
 from cachefs.errors import UsageError
 from cachefs.kernel.mountpoint import find_mount, is_empty_dir, probe, unmount
 from cachefs.service.config import Settings
+from cachefs.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,25 @@ def check_runtime_dir(runtime_dir: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--runtime-dir {runtime_dir}: {existing} is not writable by this "
                          "user")
+
+
+def budget_beyond_disk(cache_dir: Path, cache_size: int) -> str | None:
+    """What to tell the operator when --cache-size is more than the whole cache disk (that of
+    ``cache_dir``, or of its nearest existing parent): no error, since the disk then fills
+    first and admission pauses, but better heard at the mount than at the first failed
+    write."""
+    existing = cache_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        st = os.statvfs(existing)
+    except OSError:
+        return None
+    disk = st.f_blocks * st.f_frsize
+    if cache_size <= disk:
+        return None
+    return (f"--cache-size {format_bytes(cache_size)} is more than the cache disk holds "
+            f"({format_bytes(disk)}): the disk fills first, and admission pauses then")
 
 
 def prepare_mountpoint(mountpoint: Path) -> str | None:
