@@ -75,9 +75,6 @@ CHUNK_BYTES = 4 * 2**20
 INDEX_HEADROOM_BYTES = 768 * 2**10
 # A fill may add a directory block (new fan-out directory or a full one).
 FILL_HEADROOM_BYTES = 2 * BLOCK_BYTES
-# Admission stops when a file does not fit and the room left is below this share of the
-# budget; until then only the files that do not fit are left out.
-FULL_ROOM_SHARE = 0.01
 # After a write error (disk full, read-only, failing), try admitting again after this.
 ADMISSION_RETRY_SECONDS = 60.0
 # Files up to this size are verified when first handed over; larger ones in the background.
@@ -928,12 +925,9 @@ class CacheStore:
             return 0
         need = -(-size // BLOCK_BYTES) * BLOCK_BYTES + FILL_HEADROOM_BYTES
         with self._lock:
-            room = self.capacity_bytes - self._used_locked() - INDEX_HEADROOM_BYTES
-            if need > room - self._reserved_bytes:
-                # Full once the room left is small.  A file larger than a room that is not
-                # (a shard of 100 GiB beside the images) is left out alone, and the files
-                # after it still come in.
-                if room < self.capacity_bytes * FULL_ROOM_SHARE and not self._full:
+            if self._used_locked() + self._reserved_bytes + need + INDEX_HEADROOM_BYTES \
+                    > self.capacity_bytes:
+                if not self._full:
                     self._full = True
                     log.info("cache is full (%d of %d bytes): admission stopped; "
                              "nothing is evicted", self._used_locked(), self.capacity_bytes)
