@@ -9,6 +9,7 @@ import errno
 import math
 import mmap
 import os
+import random
 import time
 
 import pytest
@@ -71,6 +72,24 @@ def test_budget_is_never_exceeded_and_the_cached_set_is_stable(source, remote, m
         assert after[0] - before[0] == cached
         assert mount.metric("cachefs_cache_files") == cached
         assert disk_usage(mount.cache_dir) <= capacity
+
+
+def test_a_file_larger_than_the_room_left_leaves_admission_on(source, remote, mount_cachefs):
+    """A shard larger than the whole budget, read first: it is not stored whole (a file that
+    fills chunk by chunk keeps what fits), and the small files read after it still are."""
+    (source / "huge.bin").write_bytes(random.Random(9).randbytes(12 * 2**20))
+    rels = make_files(source, 40, size=(2000, 20_000))
+    mount = mount_cachefs(remote.path, cache_size=8 * 2**20, fraction=1.0)
+    want = {r: (source / r).read_bytes() for r in rels}
+    assert (mount.path / "huge.bin").read_bytes() == (source / "huge.bin").read_bytes()
+    mount.settle()
+    assert shuffled_read_all(mount.path, rels, seed=1) == want
+    mount.settle()
+    assert mount.metric("cachefs_cache_admitting") == 1
+    hits = opens(mount)[0]
+    assert shuffled_read_all(mount.path, rels, seed=2) == want
+    assert opens(mount)[0] - hits == len(rels)  # every small file came in
+    assert mount.metric("cachefs_cache_bytes") <= 8 * 2**20
 
 
 def test_restart_serves_cached_files_without_remote_reads(source, remote, mount_cachefs):

@@ -68,8 +68,22 @@ def _read_marker(marker: Path) -> tuple[int, int] | None:
 
 
 def allocated_bytes(st: os.stat_result) -> int:
-    """Bytes a file occupies on disk, as du counts them."""
+    """Bytes a file written whole (no holes) occupies on disk, as du counts them once the
+    file system has allocated it."""
     return max(st.st_blocks * 512, -(-st.st_size // BLOCK_BYTES) * BLOCK_BYTES)
+
+
+def held_bytes(st: os.stat_result) -> int:
+    """Bytes a data file holds on disk, holes left out: a file filled chunk by chunk is
+    sparse until its last chunk, and its size says nothing of what it holds."""
+    return st.st_blocks * 512
+
+
+def blocks_spanned(offset: int, length: int) -> int:
+    """Bytes of the blocks a write of ``length`` bytes at ``offset`` fills."""
+    if not length:
+        return 0
+    return (-(-(offset + length) // BLOCK_BYTES) - offset // BLOCK_BYTES) * BLOCK_BYTES
 
 
 class NewFile(NamedTuple):
@@ -296,7 +310,9 @@ class CacheLayout:
 
     def write_at(self, key: bytes, offset: int, data: bytes | memoryview) -> int:
         """Write ``data`` at ``offset`` of a data file written piecemeal (created sparse when
-        new); returns the bytes this added to the file's allocation."""
+        new), into a hole; returns the bytes this adds to the file's allocation.  They are
+        counted from the blocks written, not from stat: a file system allocating late
+        reports none yet, and the file's size spans the holes before the offset."""
         final = self.data_path(key)
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
@@ -304,13 +320,13 @@ class CacheLayout:
         except FileNotFoundError:
             os.makedirs(os.path.dirname(final), 0o700, exist_ok=True)
             fd = os.open(final, flags, 0o600)
+        added = blocks_spanned(offset, len(data))
         try:
-            before = allocated_bytes(os.fstat(fd))
             view = memoryview(data)
             while view:
                 written = os.pwrite(fd, view, offset)
                 view, offset = view[written:], offset + written
-            return max(0, allocated_bytes(os.fstat(fd)) - before)
+            return added
         finally:
             os.close(fd)
 
@@ -357,10 +373,12 @@ class CacheLayout:
         return os.open(self.data_path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
 
     def remove_data(self, key: bytes) -> int | None:
-        """Remove a data file; the bytes it had allocated (None when it was gone)."""
+        """Remove a data file; the bytes it held on the disk (None when it was gone).  A file
+        system that allocates late may not count a fresh file's yet: the caller takes off at
+        least what it accounted."""
         path = self.data_path(key)
         try:
-            allocated = allocated_bytes(os.stat(path))
+            allocated = held_bytes(os.stat(path))
             os.unlink(path)
         except FileNotFoundError:
             return None
@@ -386,13 +404,13 @@ class CacheLayout:
         return removed
 
     def iter_data_files(self) -> Iterator[tuple[str, int]]:
-        """(name as :meth:`data_name` gives it, allocated bytes) of every data file."""
+        """(name as :meth:`data_name` gives it, bytes held on the disk) of every data file."""
         for fan in os.scandir(self.data_dir):
             if not fan.is_dir(follow_symlinks=False):
                 continue
             for entry in os.scandir(fan.path):
                 try:
-                    allocated = allocated_bytes(entry.stat(follow_symlinks=False))
+                    allocated = held_bytes(entry.stat(follow_symlinks=False))
                 except FileNotFoundError:
                     continue
                 yield f"{fan.name}/{entry.name}", allocated

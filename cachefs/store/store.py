@@ -55,6 +55,7 @@ from cachefs.store.layout import (
     CacheLayout,
     NewFile,
     allocated_bytes,
+    blocks_spanned,
     unlink_quietly,
 )
 from cachefs.store.presence import KeyFilter
@@ -75,6 +76,9 @@ CHUNK_BYTES = 4 * 2**20
 INDEX_HEADROOM_BYTES = 768 * 2**10
 # A fill may add a directory block (new fan-out directory or a full one).
 FILL_HEADROOM_BYTES = 2 * BLOCK_BYTES
+# Admission stops when a file does not fit and the room left is below this share of the
+# budget; until then only the files that do not fit are left out.
+FULL_ROOM_SHARE = 0.01
 # After a write error (disk full, read-only, failing), try admitting again after this.
 ADMISSION_RETRY_SECONDS = 60.0
 # Files up to this size are verified when first handed over; larger ones in the background.
@@ -160,11 +164,16 @@ def _key_hash(key: bytes) -> int:
 
 def _allocation_of(record: FileRecord) -> int:
     """The bytes a data file of ``record`` takes on the disk, at least: its stored chunks, in
-    blocks (its fill accounted what it measured, these and any the file system added)."""
-    size = record.attr.size
-    stored = size if record.stored_chunks >= chunk_count(size) \
-        else record.stored_chunks * CHUNK_BYTES
-    return -(-stored // BLOCK_BYTES) * BLOCK_BYTES
+    blocks (its fill accounted what it measured, these and any the file system added).  Of a
+    file not complete, the chunks stored may include the last, shorter one."""
+    size, stored = record.attr.size, record.stored_chunks
+    count = chunk_count(size)
+    if stored >= count:
+        return blocks_spanned(0, size)
+    if not stored:
+        return 0
+    last = size - (count - 1) * CHUNK_BYTES
+    return (stored - 1) * CHUNK_BYTES + blocks_spanned(0, min(last, CHUNK_BYTES))
 
 
 def _open_index(layout: CacheLayout) -> tuple[CacheIndex, str | None]:
@@ -925,9 +934,12 @@ class CacheStore:
             return 0
         need = -(-size // BLOCK_BYTES) * BLOCK_BYTES + FILL_HEADROOM_BYTES
         with self._lock:
-            if self._used_locked() + self._reserved_bytes + need + INDEX_HEADROOM_BYTES \
-                    > self.capacity_bytes:
-                if not self._full:
+            room = self.capacity_bytes - self._used_locked() - INDEX_HEADROOM_BYTES
+            if need > room - self._reserved_bytes:
+                # Full once the room left is small.  A file larger than a room that is not
+                # (a shard of 100 GiB beside the images) is left out alone, and the files
+                # after it still come in.
+                if room < self.capacity_bytes * FULL_ROOM_SHARE and not self._full:
                     self._full = True
                     log.info("cache is full (%d of %d bytes): admission stopped; "
                              "nothing is evicted", self._used_locked(), self.capacity_bytes)
@@ -984,7 +996,7 @@ class CacheStore:
                 record = record._replace(stored_chunks=record.stored_chunks + 1)
                 if self.is_complete(record):
                     self._complete_files += 1
-            if not (single and already):  # a file rewritten whole replaced its old bytes
+            if not already:  # (a chunk written again took the blocks it had)
                 self._data_bytes += allocated
             record = record._replace(first_checksum=checksum if single else 0)
             if self.is_complete(record):
