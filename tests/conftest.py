@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -355,6 +356,17 @@ def process_figures(pid: int) -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 figures[key] = int(value.split()[0]) * 1024
     return figures
+
+
+def closed_by_server(connection) -> bool:
+    """Whether the other end of a connected socket has closed it (without reading from it)."""
+    connection.setblocking(False)
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def control_socket_path(mountpoint: Path) -> str:

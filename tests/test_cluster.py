@@ -23,7 +23,14 @@ import xxhash
 from bench.cluster import free_ports
 from cachefs.kernel.mountpoint import find_mount, unmount
 from cachefs.peer import protocol
-from tests.conftest import REPO, make_files, process_figures, run_cachefs, wait_for
+from tests.conftest import (
+    REPO,
+    closed_by_server,
+    make_files,
+    process_figures,
+    run_cachefs,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -367,16 +374,6 @@ def test_peers_with_another_secret_are_refused(start_cluster, source, tmp_path):
         or reader.metric("cachefs_peer_up", peer=listen[1]) == 0
 
 
-def _closed_by_peer(connection: socket.socket) -> bool:
-    connection.setblocking(False)
-    try:
-        return connection.recv(1, socket.MSG_PEEK) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def test_a_flood_of_connections_costs_a_node_no_more_than_its_cap(start_cluster, source):
     from cachefs.peer.server import MAX_CONNECTIONS
 
@@ -388,7 +385,7 @@ def test_a_flood_of_connections_costs_a_node_no_more_than_its_cap(start_cluster,
         for _ in range(MAX_CONNECTIONS + 300):  # connected, never a byte sent
             flood.append(socket.create_connection((host, int(port)), timeout=5))
         # The connections past the cap are closed by the owner at once; the others wait.
-        wait_for(lambda: sum(map(_closed_by_peer, flood)) >= 300, timeout=30,
+        wait_for(lambda: sum(map(closed_by_server, flood)) >= 300, timeout=30,
                  what="the connections past the cap closed")
         assert process_figures(owner.pid)["threads"] < MAX_CONNECTIONS + 100
         # Everything still reads right: from the remote while the owner is refusing.

@@ -26,6 +26,7 @@ from cachefs.control.server import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_USER, MA
 from cachefs.prefetch.prefetcher import MAX_QUEUED_HINTS
 from tests.conftest import (
     CachefsMount,
+    closed_by_server,
     control_socket_path,
     make_files,
     process_figures,
@@ -489,16 +490,6 @@ def test_flood_of_hints_and_junk_is_shrugged_off(source, remote, mount_cachefs):
     assert hints["invalid"] >= 3  # at least the long lines were counted
 
 
-def _closed_by_server(connection: socket.socket) -> bool:
-    connection.setblocking(False)
-    try:
-        return connection.recv(1, socket.MSG_PEEK) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def _scraped(mount) -> bool:
     try:
         return mount.metric("cachefs_file_opens_total", result="miss") > 0
@@ -522,7 +513,7 @@ def test_a_flood_of_metrics_connections_takes_a_bounded_share_of_threads(source,
     try:
         for _ in range(MAX_METRICS_CONNECTIONS + 200):  # connected, never a byte sent
             flood.append(socket.create_connection((address.hostname, address.port), timeout=5))
-        wait_for(lambda: sum(map(_closed_by_server, flood)) >= 200, timeout=30,
+        wait_for(lambda: sum(map(closed_by_server, flood)) >= 200, timeout=30,
                  what="the connections past the cap closed")
         assert process_figures(mount.pid)["threads"] <= \
             before["threads"] + MAX_METRICS_CONNECTIONS + 16
@@ -535,7 +526,7 @@ def test_a_flood_of_metrics_connections_takes_a_bounded_share_of_threads(source,
     silent = socket.create_connection((address.hostname, address.port), timeout=5)
     try:
         started = time.monotonic()
-        wait_for(lambda: _closed_by_server(silent), timeout=METRICS_IDLE_SECONDS + 20,
+        wait_for(lambda: closed_by_server(silent), timeout=METRICS_IDLE_SECONDS + 20,
                  what="a silent connection closed")
         assert time.monotonic() - started >= METRICS_IDLE_SECONDS - 1
     finally:

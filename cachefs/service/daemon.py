@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import signal
 import sqlite3
 import sys
@@ -65,7 +64,7 @@ from cachefs.service.memory import default_held_files, default_staging_bytes
 from cachefs.service.preflight import budget_beyond_disk
 from cachefs.service.supervisor import Succession
 from cachefs.store.admission import ClusterAdmission, FractionAdmission
-from cachefs.store.store import CacheStore
+from cachefs.store.store import CacheStore, refusal
 
 log = logging.getLogger(__name__)
 
@@ -587,18 +586,7 @@ def _open_store(s: Settings, admission, m: Metrics, lock_wait_seconds: float) ->
                                on_integrity_failure=m.integrity_failures.inc,
                                lock_wait_seconds=lock_wait_seconds)
     except (OSError, sqlite3.Error) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        full = shutil.disk_usage(s.cache_dir).free == 0 or _no_free_inodes(s.cache_dir)
-        hint = "; the cache disk is full (space or inodes)" if full else ""
-        raise UsageError(f"cannot open the cache in {s.cache_dir}: {reason}{hint}") from None
-
-
-def _no_free_inodes(path: Path) -> bool:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return False
-    return st.f_files > 0 and st.f_favail == 0
+        raise UsageError(refusal(s.cache_dir, exc)) from None
 
 
 def report_ready(error: str | None = None) -> None:

@@ -56,12 +56,17 @@ def check_paths(settings: Settings) -> None:
         check_runtime_dir(settings.runtime_dir)
 
 
+def _nearest_existing(path: Path) -> Path:
+    """``path``, or its nearest parent that exists: where a directory to be made would be."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_runtime_dir(runtime_dir: Path) -> None:
     """--runtime-dir (the control socket, the node and handle tables) must be a directory
     this user may write, or one that can be made under one."""
-    existing = runtime_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(runtime_dir)
     if not existing.is_dir():
         raise UsageError(f"--runtime-dir {runtime_dir}: {existing} is not a directory; "
                          "choose a directory on a tmpfs such as /run")
@@ -75,11 +80,8 @@ def budget_beyond_disk(cache_dir: Path, cache_size: int) -> str | None:
     ``cache_dir``, or of its nearest existing parent): no error, since the disk then fills
     first and admission pauses, but better heard at the mount than at the first failed
     write."""
-    existing = cache_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
     try:
-        st = os.statvfs(existing)
+        st = os.statvfs(_nearest_existing(cache_dir))
     except OSError:
         return None
     disk = st.f_blocks * st.f_frsize

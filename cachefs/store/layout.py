@@ -67,6 +67,15 @@ def _read_marker(marker: Path) -> tuple[int, int] | None:
         return None
 
 
+def disk_full(path: Path) -> bool:
+    """Whether the file system of ``path`` has no free space or no free inodes left."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail == 0 or (st.f_files > 0 and st.f_favail == 0)
+
+
 def allocated_bytes(st: os.stat_result) -> int:
     """Bytes a file written whole (no holes) occupies on disk, as du counts them once the
     file system has allocated it."""

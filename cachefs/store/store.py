@@ -56,6 +56,7 @@ from cachefs.store.layout import (
     NewFile,
     allocated_bytes,
     blocks_spanned,
+    disk_full,
     unlink_quietly,
 )
 from cachefs.store.presence import KeyFilter
@@ -174,6 +175,13 @@ def _allocation_of(record: FileRecord) -> int:
         return 0
     last = size - (count - 1) * CHUNK_BYTES
     return (stored - 1) * CHUNK_BYTES + blocks_spanned(0, min(last, CHUNK_BYTES))
+
+
+def refusal(cache_dir: Path, exc: OSError | sqlite3.Error) -> str:
+    """One line saying why the cache in ``cache_dir`` could not be opened."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    hint = "; the cache disk is full (space or inodes)" if disk_full(cache_dir) else ""
+    return f"cannot open the cache in {cache_dir}: {reason}{hint}"
 
 
 def _open_index(layout: CacheLayout) -> tuple[CacheIndex, str | None]:

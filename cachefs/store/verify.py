@@ -17,7 +17,7 @@ from cachefs.errors import UsageError
 from cachefs.sizes import format_bytes
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.layout import MARKER_NAME, CacheLayout
-from cachefs.store.store import CHUNK_BYTES, CacheStore
+from cachefs.store.store import CHUNK_BYTES, CacheStore, refusal
 
 
 def verify(cache_dir: Path, *, as_json: bool = False) -> int:
@@ -32,8 +32,7 @@ def verify(cache_dir: Path, *, as_json: bool = False) -> int:
         store = CacheStore.open(cache_dir, capacity_bytes=2**62,
                                 admission=FractionAdmission(1.0), verify_data=True)
     except (OSError, sqlite3.Error) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise UsageError(f"cannot open the cache in {cache_dir}: {reason}") from None
+        raise UsageError(refusal(cache_dir, exc)) from None
     report, dropped_index = store.startup_report, store.dropped_index
     store.close()
     elapsed = time.monotonic() - started

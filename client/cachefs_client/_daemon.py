@@ -209,14 +209,10 @@ def send_hints(paths) -> int:
     warning shown once.
     """
     state = process_state()
-    locate = state.paths.locate
     by_mount: dict[str, list[bytes]] = {}
     for path in paths:
-        found = _locate(locate, path)
-        if found is False:
-            continue
+        found = _locate(state.paths, path)
         if found is None:
-            warn_not_on_mount(state.paths, path)
             continue
         mount_point, relative = found
         if relative and "\n" not in relative:
@@ -234,20 +230,20 @@ def check_daemon(path) -> bool:
     before DataLoader workers start, so that workers forked after it inherit the warning
     instead of each repeating it."""
     state = process_state()
-    found = _locate(state.paths.locate, path)
-    if not found:
-        if found is None:
-            warn_not_on_mount(state.paths, path)
-        return False
-    return link_for(found[0]).reachable()
+    found = _locate(state.paths, path)
+    return found is not None and link_for(found[0]).reachable()
 
 
-def _locate(locate, path):
-    """``locate(path)``; False, with a warning once, for what is no path at all (a path_of
-    that returns an index or None): training goes on, as for a path on no cachefs mount."""
+def _locate(paths, path):
+    """``paths.locate(path)``: (mount point, path inside it), or None with a warning once
+    for a path on no cachefs mount, or for what is no path at all (a path_of that returns
+    an index or None).  Training goes on either way, without hints for such paths."""
     try:
-        return locate(path)
+        found = paths.locate(path)
     except (TypeError, ValueError) as exc:  # not path-like, or a NUL in it
         warn_once("not a path", f"{path!r} is not a path ({exc}); no hints are sent for "
                   "such paths")
-        return False
+        return None
+    if found is None:
+        warn_not_on_mount(paths, path)
+    return found
