@@ -1,15 +1,19 @@
 """The control socket's server on a real Unix socket: a request whose handler fails is
-answered with its error (or, for a hint, dropped) and the connection goes on."""
+answered with its error (or, for a hint, dropped) and the connection goes on; a socket
+file removed is made again."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
+import time
 
 import pytest
 
-from cachefs.control.server import ControlServer, Reply
+from cachefs.control.server import PATH_CHECK_SECONDS, ControlServer, Reply
+from tests.conftest import control_socket_path, make_files, run_cachefs, wait_for
 
 
 def fail_or_echo(peer, argument: bytes) -> Reply:
@@ -44,3 +48,50 @@ def test_a_failing_request_is_answered_and_the_connection_goes_on(tmp_path, capl
     # One record for the connection's failures, not one per failed request.
     failures = [r for r in caplog.records if "control request" in r.getMessage()]
     assert len(failures) == 1, [r.getMessage() for r in failures]
+
+
+@pytest.mark.timeout(30)
+def test_a_socket_removed_is_made_again_and_a_successors_is_left_alone(tmp_path):
+    path = tmp_path / "control.sock"
+    first = ControlServer(path, {b"ECHO": fail_or_echo})
+    try:
+        path.unlink()  # a cleaner of aged files in /tmp, an operator's rm
+        wait_for(lambda: _echo(path, b"back") == {"ok": True, "echo": "back"},
+                 timeout=PATH_CHECK_SECONDS + 10, what="the socket made again")
+        # A daemon taking the mount over binds the same path: the one before it neither
+        # takes the path back nor removes it when it closes.
+        second = ControlServer(path, {b"ECHO": lambda peer, arg: Reply({"ok": True})})
+        try:
+            time.sleep(PATH_CHECK_SECONDS + 1)
+            first.close()
+            assert _echo(path, b"x") == {"ok": True}
+        finally:
+            second.close()
+    finally:
+        first.close()
+    assert not path.exists()
+    assert not [p.name for p in tmp_path.iterdir()]  # no socket left beside it either
+
+
+def _echo(path, argument: bytes) -> dict | None:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(5)
+            conn.connect(str(path))
+            conn.sendall(b"ECHO " + argument + b"\n")
+            return json.loads(conn.makefile("rb").readline())
+    except OSError:
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_a_mounts_control_socket_removed_is_made_again(source, remote, mount_cachefs):
+    """`cachefs status` and the torch client find the daemon by the socket's path: when its
+    file goes, it comes back, and the daemon answers again."""
+    make_files(source, 3)
+    mount = mount_cachefs(remote.path)
+    os.unlink(control_socket_path(mount.path))
+    assert run_cachefs("status", str(mount.path)).returncode != 0
+    wait_for(lambda: run_cachefs("status", str(mount.path)).returncode == 0,
+             timeout=PATH_CHECK_SECONDS + 20, what="status answered again")
+    assert "made again" in mount.log_file.read_text()

@@ -14,16 +14,22 @@ Each connection gets a thread, up to MAX_CONNECTIONS; further connections are
 closed at once.  Overlong lines are skipped and counted, never buffered.
 Peers are identified by SO_PEERCRED, so handlers can check what the calling
 user may read.
+
+The socket's file is made again when it goes (a cleaner of aged files in /tmp,
+an operator's ``rm``): clients find the daemon by its path, and a training job
+would otherwise lose its hints for good, without a word.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +50,9 @@ MAX_FDS_PER_MESSAGE = 64  # clients accept up to SCM_MAX_FD (253) per message
 COALESCED_COMMANDS = frozenset({b"OPEN", b"READ"})
 # Requests answered by no line (fire-and-forget).
 UNANSWERED_COMMANDS = frozenset({b"HINT"})
+# How often the socket's file is checked, and made again when it is gone.
+PATH_CHECK_SECONDS = 5.0
+BIND_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -96,19 +105,69 @@ class ControlServer:
         self._per_user: dict[int, int] = {}  # uid -> connections held
         self._closed = False
         self.rejected_connections = 0
-        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(path))
-        # Any local user may connect; handlers check what each peer may read.
-        os.chmod(path, 0o666)
-        self._listener.listen(128)
+        self._listener, self._inode = self._bind()
         self._thread = threading.Thread(target=self._accept_loop, name="control-accept",
                                         daemon=True)
         self._thread.start()
+
+    def _bind(self, *, replace: bool = True) -> tuple[socket.socket, int]:
+        """A listening socket at ``path``, and the inode of its file there.  With
+        ``replace``, a file already there (a killed daemon's socket, or the one of the daemon
+        this one takes the mount over from) is removed first.  Bound at the path itself, not
+        renamed there: a client's getpeername() names it."""
+        self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            for attempt in range(BIND_ATTEMPTS):
+                if replace:
+                    try:
+                        self.path.unlink()
+                    except FileNotFoundError:
+                        pass
+                try:
+                    listener.bind(str(self.path))
+                    break
+                except OSError as exc:
+                    # Made again meanwhile by the daemon before this one (its check found
+                    # the path empty between the unlink and the bind): remove it again.
+                    if exc.errno != errno.EADDRINUSE or not replace \
+                            or attempt == BIND_ATTEMPTS - 1:
+                        raise
+            # Any local user may connect; handlers check what each peer may read.
+            os.chmod(self.path, 0o666)
+            inode = os.stat(self.path).st_ino
+            listener.listen(128)
+            listener.settimeout(PATH_CHECK_SECONDS)
+        except BaseException:
+            listener.close()
+            raise
+        return listener, inode
+
+    def _path_is_mine(self) -> bool | None:
+        """Whether ``path`` is this server's socket; None when nothing is there."""
+        try:
+            return os.stat(self.path).st_ino == self._inode
+        except FileNotFoundError:
+            return None
+
+    def _keep_path(self) -> None:
+        """Make the socket's file again when it has gone.  Another file in its place (a
+        daemon that took the mount over) is left alone."""
+        if self._path_is_mine() is not None:
+            return
+        try:
+            listener, inode = self._bind(replace=False)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:  # made meanwhile: not ours to take
+                return
+            log.warning("the control socket %s was removed, and cannot be made again: %s",
+                        self.path, exc.strerror)
+            return
+        log.warning("the control socket %s was removed: made again", self.path)
+        old, self._listener, self._inode = self._listener, listener, inode
+        old.close()
+        if self._closed:
+            self.close()
 
     def close(self) -> None:
         self._closed = True
@@ -124,15 +183,22 @@ class ControlServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        if self._path_is_mine():  # not a successor's
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
 
     def _accept_loop(self) -> None:
+        next_check = time.monotonic() + PATH_CHECK_SECONDS
         while not self._closed:
+            if time.monotonic() >= next_check:
+                self._keep_path()
+                next_check = time.monotonic() + PATH_CHECK_SECONDS
             try:
                 conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 if self._closed:
                     return
