@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -609,6 +610,28 @@ def test_warm_of_every_file_passes_over_a_name_it_cannot_send(source, mount_cach
         refused = run_cachefs("warm", str(mount.path), "--connections", bad)
         assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
         assert "--connections" in refused.stderr and "from 1 to 256" in refused.stderr
+
+
+def test_warm_of_every_file_passes_over_links_pipes_and_devices(source, mount_cachefs):
+    """A dataset holding a symlink out of the tree, one into it, a pipe and a device node:
+    a walk of the mount sees each as what it is, and a warm of the whole mount fetches the
+    regular files and ends well (each such entry once failed it, with status 1)."""
+    rels = make_files(source, 20, size=100)
+    (source / "class0000" / "outside").symlink_to("/etc/hostname")
+    (source / "class0000" / "inside").symlink_to(os.path.basename(rels[0]))
+    os.mkfifo(source / "class0000" / "pipe")
+    os.mknod(source / "class0000" / "zero", 0o644 | stat.S_IFCHR, os.makedev(1, 5))
+    mount = mount_cachefs(source, cache_size="64MiB")
+    # The listing gives each entry's own type, as its lookup does (it once said "regular
+    # file" for the pipe and the device node, and `find -type f` listed them).
+    with os.scandir(mount.path / "class0000") as entries:
+        kinds = {e.name: (e.is_file(follow_symlinks=False), e.is_symlink()) for e in entries}
+    assert kinds["pipe"] == kinds["zero"] == (False, False)
+    assert kinds["outside"] == kinds["inside"] == (False, True)
+    result = run_cachefs("warm", str(mount.path), timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "warmed 20 files" in result.stdout and "20 fetched" in result.stdout, result.stdout
+    assert mount.metric("cachefs_cache_files") == len(rels)
 
 
 def test_warm_reads_the_list_from_stdin(source, mount_cachefs):

@@ -79,12 +79,35 @@ def _lines(stream: BinaryIO) -> Iterator[bytes]:
 
 
 def walk_files(mountpoint: Path) -> Iterator[bytes]:
-    """Every file under the mount, relative to it, in an order that does not depend on the
-    order the directories list their names in (so that a checkpoint of a walk holds)."""
+    """Every regular file under the mount, relative to it, in an order that does not depend
+    on the order the directories list their names in (so that a checkpoint of a walk holds).
+    Symlinks, pipes and device nodes are no data to warm: passed over, not failed (a link's
+    target inside the tree is warmed by its own name)."""
     root = os.fsencode(mountpoint)
-    for directory, dirs, files in os.walk(root):
-        dirs.sort()
-        prefix = os.path.relpath(directory, root)
-        prefix = b"" if prefix == b"." else prefix + b"/"
-        for name in sorted(files):
+    pending = [b""]  # directories to list, relative to root; the next one last
+    while pending:
+        relative = pending.pop()
+        files, dirs = _regular_files_and_dirs(os.path.join(root, relative) if relative else root)
+        prefix = relative + b"/" if relative else b""
+        for name in files:
             yield prefix + name
+        pending.extend(prefix + name for name in reversed(dirs))
+
+
+def _regular_files_and_dirs(directory: bytes) -> tuple[list[bytes], list[bytes]]:
+    """The names of ``directory``'s regular files and of its subdirectories (symlinks to
+    either not followed), each sorted; none when it cannot be listed (as os.walk does)."""
+    files, dirs = [], []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        dirs.append(entry.name)
+                    elif entry.is_file(follow_symlinks=False):
+                        files.append(entry.name)
+                except OSError:  # gone, or cannot be looked up: as a walk that missed it
+                    continue
+    except OSError:
+        pass
+    return sorted(files), sorted(dirs)

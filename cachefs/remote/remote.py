@@ -274,7 +274,7 @@ def _scan(path: str) -> list[tuple[str, int, Attr | None]]:
                     attr = Attr.from_stat(entry.stat(follow_symlinks=False))
                 except FileNotFoundError:
                     pass  # gone since the listing
-            kind = _dirent_type(entry) if attr is None else _kind(attr.mode)
+            kind = _dirent_type(entry) if attr is None else stat.S_IFMT(attr.mode)
             listed.append((entry.name, kind, attr))
     return listed
 
@@ -284,19 +284,21 @@ def _scan_names(path: str) -> list[tuple[str, int]]:
         return [(entry.name, _dirent_type(entry)) for entry in it]
 
 
-def _kind(mode: int) -> int:
-    """The file type the mirror shows: a symlink, a directory, or (anything else) a file."""
-    if stat.S_ISLNK(mode):
-        return stat.S_IFLNK
-    return stat.S_IFDIR if stat.S_ISDIR(mode) else stat.S_IFREG
-
-
 def _dirent_type(entry: os.DirEntry) -> int:
+    """The file type bits of a listed entry, as its lookup will show them: a pipe or a
+    device node listed as a regular file would be taken for data by a walk that trusts the
+    listing (``find -type f``, ``os.scandir``), and its open would wait for a writer.  0
+    (the type unknown: the reader looks it up) when it went away meanwhile."""
     if entry.is_symlink():
         return stat.S_IFLNK
     if entry.is_dir(follow_symlinks=False):
         return stat.S_IFDIR
-    return stat.S_IFREG
+    if entry.is_file(follow_symlinks=False):
+        return stat.S_IFREG
+    try:  # something else (rare): its type from its own lstat
+        return stat.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
+    except OSError:
+        return 0
 
 
 def _open_checked(path: str, expected: Version, mode: int = os.O_RDONLY) -> int:
