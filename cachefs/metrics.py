@@ -86,6 +86,9 @@ class Metrics:
         self.cache_write_errors = Counter(
             "cachefs_cache_write_errors", "Writes to the cache disk that failed (full, read-only, "
             "I/O error)", registry=r)
+        self.pruned_files = Counter(
+            "cachefs_cache_pruned_files", "Cached files dropped because they are gone from the "
+            "remote (looked for once the cache is full)", registry=r)
         self.integrity_failures = Counter(
             "cachefs_integrity_failures",
             "Cached chunks that failed their checksum or vanished; dropped and refetched",

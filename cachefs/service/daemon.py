@@ -57,6 +57,7 @@ from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.origin import RemoteOrigin
+from cachefs.remote.prune import Pruner
 from cachefs.remote.remote import Remote
 from cachefs.service import affinity, collector, heap, sdnotify
 from cachefs.service.config import Settings
@@ -133,6 +134,7 @@ class Daemon:
         self.prefetcher: Prefetcher | None = None
         self.staging: StagingArea | None = None
         self.remote_files: RemoteFiles | None = None
+        self.pruner: Pruner | None = None
         self.fs: MirrorFS | None = None
         self.cpus: frozenset[int] | None = None  # those the serving threads keep to; None: all
         self.peer_server: PeerServer | None = None
@@ -211,6 +213,8 @@ class Daemon:
                 self.remote, store, on_fill=lambda result: fills[result].inc(),
                 fill_processes=s.fill_processes)
             m.bind_gauge(m.fills_under_way, lambda: remote_files.fills_under_way)
+            pruner = self.pruner = Pruner(self.remote, store, on_pruned=m.pruned_files.inc)
+            store.on_no_room = pruner.no_room
             self.prefetcher = Prefetcher(
                 mountpoint=str(s.mountpoint), store=store, fetcher=fetcher, remote=self.remote,
                 attrs=attrs, staging=staging, metrics=m, concurrency=s.prefetch_concurrency,
@@ -346,14 +350,14 @@ class Daemon:
     def stop(self) -> None:
         """Release everything :meth:`start` took; safe to call twice or after a failed start."""
         for part in (self.peer_server, self.control, self.prefetcher, self.remote_files,
-                     self.peer_client, self.remote, self.staging):
+                     self.pruner, self.peer_client, self.remote, self.staging):
             if part is not None:
                 part.close()
         self.metrics.close()
         if self.store is not None:
             self.store.close()
         self.control = self.prefetcher = self.remote = self.store = self.staging = None
-        self.remote_files = None
+        self.remote_files = self.pruner = None
         self.peer_server = self.peer_client = None
 
     # -- status ----------------------------------------------------------------------------

@@ -253,6 +253,8 @@ class CacheStore:
         # Called (outside the lock) with (key, version) of every file version dropped, so
         # that whoever keeps its data file open lets go of it.
         self.on_dropped: Callable[[bytes, Version], None] = lambda key, version: None
+        # Called (outside the lock) when a file is left out for want of room.
+        self.on_no_room: Callable[[], None] = lambda: None
         index.on_flush_error = self._pause_admission
         self._lock = threading.Lock()
         self._data_bytes = 0
@@ -476,6 +478,11 @@ class CacheStore:
             and time.monotonic() >= self._admission_paused_until
 
     @property
+    def full(self) -> bool:
+        """Admission stopped because the budget is used."""
+        return self._full
+
+    @property
     def reconciling(self) -> bool:
         return self._reconciling
 
@@ -671,7 +678,7 @@ class CacheStore:
         log.warning("cached file %s dropped: %s; refetching from the remote",
                     os.fsdecode(key), why)
         self._on_integrity_failure()
-        self._drop_version(key, record.version)
+        self.drop_version(key, record.version)
 
     def _load(self, dkey: bytes, number: int, chunk: ChunkRecord, *, whole: bool) -> bytes:
         try:
@@ -943,17 +950,19 @@ class CacheStore:
         need = -(-size // BLOCK_BYTES) * BLOCK_BYTES + FILL_HEADROOM_BYTES
         with self._lock:
             room = self.capacity_bytes - self._used_locked() - INDEX_HEADROOM_BYTES
-            if need > room - self._reserved_bytes:
-                # Full once the room left is small.  A file larger than a room that is not
-                # (a shard of 100 GiB beside the images) is left out alone, and the files
-                # after it still come in.
-                if room < self.capacity_bytes * FULL_ROOM_SHARE and not self._full:
-                    self._full = True
-                    log.info("cache is full (%d of %d bytes): admission stopped; "
-                             "nothing is evicted", self._used_locked(), self.capacity_bytes)
-                return 0
-            self._reserved_bytes += need
-        return need
+            fits = need <= room - self._reserved_bytes
+            if fits:
+                self._reserved_bytes += need
+            # Full once the room left is small.  A file larger than a room that is not (a
+            # shard of 100 GiB beside the images) is left out alone, and the files after it
+            # still come in.
+            elif room < self.capacity_bytes * FULL_ROOM_SHARE and not self._full:
+                self._full = True
+                log.info("cache is full (%d of %d bytes): admission stopped; "
+                         "nothing is evicted", self._used_locked(), self.capacity_bytes)
+        if not fits:
+            self.on_no_room()
+        return need if fits else 0
 
     def _unreserve(self, need: int) -> None:
         with self._lock:
@@ -1069,7 +1078,7 @@ class CacheStore:
         if record is not None:
             self.on_dropped(key, record.version)
 
-    def _drop_version(self, key: bytes, version: Version) -> None:
+    def drop_version(self, key: bytes, version: Version) -> None:
         """Forget the file at ``key`` if it is still that version."""
         record = self.lookup(key)
         if record is not None and record.version == version:
@@ -1079,7 +1088,7 @@ class CacheStore:
         """Forget one bad chunk; the rest of a large file stays cached (its bytes stay in the
         data file, to be overwritten when the chunk is fetched again)."""
         if chunk_count(record.attr.size) == 1:
-            self._drop_version(key, record.version)
+            self.drop_version(key, record.version)
             return
         try:
             with self._lock:
