@@ -88,7 +88,7 @@ class Metrics:
             "I/O error)", registry=r)
         self.pruned_files = Counter(
             "cachefs_cache_pruned_files", "Cached files dropped because they are gone from the "
-            "remote (looked for once the cache is full)", registry=r)
+            "remote (looked for when a file finds no room)", registry=r)
         self.integrity_failures = Counter(
             "cachefs_integrity_failures",
             "Cached chunks that failed their checksum or vanished; dropped and refetched",

@@ -1,4 +1,4 @@
-"""Copies of files gone from the remote, dropped once the cache is full.
+"""Copies of files gone from the remote, dropped when the cache has no room left.
 
 The cache never evicts a file it keeps.  A file deleted or renamed on the remote (a dataset
 updated in place, a class removed) is never opened again by its old name, so its copy
