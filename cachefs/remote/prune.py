@@ -55,7 +55,7 @@ class Pruner:
         self.store = store
         self.on_pruned = on_pruned
         self.passes = 0
-        self._root = self._root_identity()
+        self._root: tuple[int, int] | None = None  # taken by the thread: it may wait
         self._wanted = threading.Event()
         self._closed = False
         self._last_pass_ended: float | None = None
@@ -75,6 +75,7 @@ class Pruner:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        self._root = self._root_identity()
         while True:
             asked = self._wanted.wait(PASS_INTERVAL_SECONDS)
             self._wanted.clear()
