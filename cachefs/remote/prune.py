@@ -76,9 +76,8 @@ class Pruner:
 
     def _run(self) -> None:
         self._root = self._root_identity()
-        while True:
+        while not self._closed:
             asked = self._wanted.wait(PASS_INTERVAL_SECONDS)
-            self._wanted.clear()
             if self._closed:
                 return
             if not asked and not self.store.full:
@@ -90,6 +89,9 @@ class Pruner:
             except Exception:  # a bug: logged, and the daemon serves on
                 log.exception("looking for cached files gone from the remote failed")
             self._last_pass_ended = time.monotonic()
+            # Files left out while the pass ran were answered by it: no second pass now.
+            # (A close meanwhile set _closed first: the loop ends without waiting.)
+            self._wanted.clear()
 
     def _root_identity(self) -> tuple[int, int] | None:
         """(device, inode) of the remote's root when it lists something; None otherwise."""
