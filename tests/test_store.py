@@ -10,6 +10,7 @@ import select
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -142,6 +143,76 @@ def test_corrupt_chunk_is_detected_and_dropped(open_store, damage):
     assert store.lookup(key) is None  # dropped: refetched next time, never served
     assert put_file(store, "img.jpg", data)
     assert read_file(store, "img.jpg") == data
+
+
+def test_a_bad_chunk_fetched_again_is_counted_once(open_store, tmp_path):
+    """A shard's middle chunk found damaged is forgotten and fetched again: the account
+    grows by its blocks once, as a count from scratch finds, and the bytes are the remote's."""
+    store = open_store()
+    failures = []
+    store._on_integrity_failure = lambda: failures.append(1)
+    data = os.urandom(3 * CHUNK_BYTES)
+    key = b"shard.tar"
+    assert put_file(store, "shard.tar", data)
+    path = store.layout.data_path(data_key(key, Version(len(data), 1)))
+    with open(path, "r+b") as f:
+        f.seek(CHUNK_BYTES + 99)
+        f.write(bytes([data[CHUNK_BYTES + 99] ^ 0xFF]))
+    with pytest.raises(CacheCorrupt):
+        store.read_chunk(key, store.lookup(key), 1)
+    assert failures == [1]
+    assert not store.is_complete(store.lookup(key))
+    assert store.store_chunk(key, attr_of(len(data)), 1, data[CHUNK_BYTES : 2 * CHUNK_BYTES])
+    assert read_file(store, "shard.tar") == data
+    store.index.flush()
+    with store._lock:
+        store._measure_index_locked(force=True)
+    tracked = store.used_bytes
+    store.check(fix=True, verify_data=False)
+    assert store.used_bytes == tracked
+    assert disk_usage(tmp_path / "cache") <= tracked
+
+
+def test_the_background_scrub_finds_damage_no_reader_met(tmp_path):
+    """After a clean stop, every file is verified in the background: a flipped byte that
+    left the file's identity as checked (a fault of the disk) is found with no reader
+    opening the file; a whole file is dropped, a shard loses only its bad chunk."""
+    store = CacheStore.open(tmp_path / "cache", 64 * 2**20, FractionAdmission(1.0))
+    files = {f"f{i}": os.urandom(20_000) for i in range(20)}
+    files["shard.tar"] = os.urandom(2 * CHUNK_BYTES + 7)
+    for name, data in files.items():
+        assert put_file(store, name, data)
+    store.close()
+
+    def flip(name: str, offset: int) -> None:
+        path = store.layout.data_path(data_key(os.fsencode(name), Version(len(files[name]), 1)))
+        st = os.stat(path)
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(bytes([files[name][offset] ^ 0xFF]))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    flip("f3", 777)
+    flip("shard.tar", CHUNK_BYTES + 5)
+    failures = []
+    store = CacheStore.open(tmp_path / "cache", 64 * 2**20, FractionAdmission(1.0),
+                            on_integrity_failure=lambda: failures.append(1), scrub=True)
+    try:
+        deadline = time.monotonic() + 30
+        while (store._scrubber is None or store.scrub_figures()["running"]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        figures = store.scrub_figures()
+        assert figures["trusted"] and not figures["running"]
+        assert figures["files"] == len(files)
+        assert len(failures) == 2
+        assert store.lookup(b"f3") is None
+        assert not store.is_complete(store.lookup(b"shard.tar"))
+        for name, data in files.items():
+            if name not in ("f3", "shard.tar"):
+                assert read_file(store, name) == data
+    finally:
+        store.close()
 
 
 def test_check_repairs_orphans_leftovers_and_fraction_changes(open_store, tmp_path):

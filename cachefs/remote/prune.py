@@ -31,7 +31,6 @@ from collections.abc import Callable
 from cachefs.errors import RemoteUnavailable
 from cachefs.remote.remote import Remote
 from cachefs.sizes import format_bytes
-from cachefs.store.index import split_key
 from cachefs.store.store import CacheStore
 
 log = logging.getLogger(__name__)
@@ -117,35 +116,30 @@ class Pruner:
         started = time.monotonic()
         looked = gone = 0
         used_before = self.store.used_bytes
-        self.store.index.flush()  # the pass reads committed records
-        for batch in self.store.index.batches():
-            for key, raw in batch:
-                if self._closed:
-                    return
-                path, number = split_key(key)
-                if number is not None:
-                    continue  # a chunk's record: it goes with its file's
-                looked += 1
-                # Paced: a pass looks at LOOKUPS_PER_SECOND files a second at most.
-                ahead = started + looked / LOOKUPS_PER_SECOND - time.monotonic()
-                if ahead > 0:
-                    time.sleep(ahead)
-                try:
-                    if self.remote.lstat(os.fsdecode(path)).is_file:
-                        continue
-                    # (A directory or a link by that name now: no file to open there.)
-                except RemoteUnavailable:
-                    log.info("the remote stopped answering: the look for cached files gone "
-                             "from it stops after %d files", looked)
-                    return
-                except OSError as exc:
-                    if exc.errno not in _GONE:
-                        continue
-                # Gone, or the remote is not the dataset any more (unmounted meanwhile).
-                if not self._remote_is_the_dataset():
-                    return
-                self.store.drop_version(path, self.store.index.file_record(raw).version)
-                gone += 1
+        for path, record in self.store.file_records():
+            if self._closed:
+                return
+            looked += 1
+            # Paced: a pass looks at LOOKUPS_PER_SECOND files a second at most.
+            ahead = started + looked / LOOKUPS_PER_SECOND - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+            try:
+                if self.remote.lstat(os.fsdecode(path)).is_file:
+                    continue
+                # (A directory or a link by that name now: no file to open there.)
+            except RemoteUnavailable:
+                log.info("the remote stopped answering: the look for cached files gone "
+                         "from it stops after %d files", looked)
+                return
+            except OSError as exc:
+                if exc.errno not in _GONE:
+                    continue
+            # Gone, or the remote is not the dataset any more (unmounted meanwhile).
+            if not self._remote_is_the_dataset():
+                return
+            self.store.drop_version(path, record.version)
+            gone += 1
         freed = max(0, used_before - self.store.used_bytes)
         self.passes += 1
         if gone:

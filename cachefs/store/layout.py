@@ -56,6 +56,10 @@ BLOCK_BYTES = 4096
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+# linux/falloc.h
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
 
 
 def _read_marker(marker: Path) -> tuple[int, int] | None:
@@ -338,6 +342,20 @@ class CacheLayout:
             return added
         finally:
             os.close(fd)
+
+    def punch_out(self, key: bytes, offset: int, length: int) -> int:
+        """Free the blocks of ``length`` bytes at ``offset`` of a data file, its size kept
+        (fallocate PUNCH_HOLE); returns the bytes this takes off the file's allocation, the
+        blocks :meth:`write_at` counted for them.  OSError where the file system cannot."""
+        fd = os.open(self.data_path(key), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                               ctypes.c_int64(offset), ctypes.c_int64(length)) != 0:
+                code = ctypes.get_errno()
+                raise OSError(code, os.strerror(code))
+        finally:
+            os.close(fd)
+        return blocks_spanned(offset, length)
 
     def sync(self) -> None:
         """Every byte written to the cache's file system, on the disk (syncfs(2))."""

@@ -61,16 +61,15 @@ class Scrubber:
     def _run(self) -> None:
         started = time.monotonic()
         try:
-            for batch in self._store.index.batches(512):
-                for key, raw in batch:
-                    if self._stop.is_set():
-                        return
-                    read = self._store.scrub(key, raw)
-                    if read is None:
-                        continue  # not a whole file's record
-                    self.files += 1
-                    self.bytes += read
-                    self._pace(started)
+            for key, record in self._store.file_records(512):
+                if self._stop.is_set():
+                    return
+                read = self._store.scrub(key, record)
+                if read is None:
+                    continue  # not whole, or verified by a reader meanwhile
+                self.files += 1
+                self.bytes += read
+                self._pace(started)
         except Exception:  # the disk, the index: what is not scrubbed is checked at open
             log.exception("verifying the cache in the background stopped")
             return

@@ -40,7 +40,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -174,7 +174,7 @@ def _allocation_of(record: FileRecord) -> int:
     if not stored:
         return 0
     last = size - (count - 1) * CHUNK_BYTES
-    return (stored - 1) * CHUNK_BYTES + blocks_spanned(0, min(last, CHUNK_BYTES))
+    return (stored - 1) * CHUNK_BYTES + blocks_spanned(0, last)
 
 
 def refusal(cache_dir: Path, exc: OSError | sqlite3.Error) -> str:
@@ -612,13 +612,21 @@ class CacheStore:
         if not self._trusted:
             self._verified.add(_key_hash(key))
 
-    def scrub(self, key: bytes, raw: bytes) -> int | None:
+    def file_records(self, batch: int = 4096) -> Iterator[tuple[bytes, FileRecord]]:
+        """(path, record) of every file the index holds, whole or in part, as committed when
+        asked: for passes over every cached file (the scrub, the pruner).  The index is read
+        ``batch`` records at a time, so a pass holds neither the index nor its records."""
+        self.index.flush()
+        for records in self.index.batches(batch):
+            for key, raw in records:
+                path, number = split_key(key)
+                if number is None:  # (a chunk's record goes with its file's)
+                    yield path, self.index.file_record(raw)
+
+    def scrub(self, key: bytes, record: FileRecord) -> int | None:
         """Verify one cached file for the scrub (scrub.py): the bytes read (0 when it needs no
-        reading, being verified in this process already), None when ``raw`` is not a whole
-        file's record."""
-        if split_key(key)[1] is not None:
-            return None
-        record = self.index.file_record(raw)
+        reading, being verified in this process already), None when it is not whole or is
+        being verified already."""
         if not self.is_complete(record) or key in self._verifying:
             return None
         if not self._trusted and _key_hash(key) in self._verified:
@@ -1085,27 +1093,43 @@ class CacheStore:
             self.drop(key)
 
     def _drop_chunk(self, key: bytes, record: FileRecord, number: int) -> None:
-        """Forget one bad chunk; the rest of a large file stays cached (its bytes stay in the
-        data file, to be overwritten when the chunk is fetched again)."""
+        """Forget one bad chunk; the rest of a large file stays cached.  The chunk's blocks are
+        freed (a hole punched), so that fetching it again, which counts the blocks it writes,
+        does not count them twice.  Where the file system cannot punch a hole, the whole
+        file is dropped instead."""
         if chunk_count(record.attr.size) == 1:
             self.drop_version(key, record.version)
             return
+        whole = False
         try:
             with self._lock:
                 current = self.index.get_file(key)
                 ckey = chunk_key(key, number)
-                if current is None or current.version != record.version \
-                        or self.index.get_chunk(ckey) is None:
+                chunk = self.index.get_chunk(ckey)
+                if current is None or current.version != record.version or chunk is None:
                     return  # dropped or replaced meanwhile
-                if self.is_complete(current):
-                    self._complete_files -= 1
-                self._verified.discard(_key_hash(key))
-                self.index.delete(ckey)
-                self.index.put_file(key, current._replace(
-                    stored_chunks=current.stored_chunks - 1))
-                self._full = False
+                try:
+                    # Under the lock: the chunk is not fetched again before its hole is made.
+                    freed = self.layout.punch_out(data_key(key, record.version),
+                                                  number * CHUNK_BYTES, chunk.length)
+                except OSError as exc:
+                    log.info("cannot free chunk %d of %s (%s): dropping the file",
+                             number, os.fsdecode(key), exc.strerror)
+                    whole = True
+                else:
+                    if self.is_complete(current):
+                        self._complete_files -= 1
+                    self._verified.discard(_key_hash(key))
+                    self.index.delete(ckey)
+                    self.index.put_file(key, current._replace(
+                        stored_chunks=current.stored_chunks - 1))
+                    self._data_bytes -= freed
+                    self._full = False
         except (OSError, sqlite3.Error) as exc:
             self._pause_admission(exc)
+        if whole:
+            self.drop_version(key, record.version)
+            return
         # Its data file stays (the other chunks are good): a holder must let it go.
         self.on_dropped(key, record.version)
 
