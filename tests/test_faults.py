@@ -661,10 +661,17 @@ def test_a_damaged_index_empties_the_cache_and_the_mount_serves(source, remote, 
         assert result.stdout.splitlines()[0] == \
             "the index was damaged (database disk image is malformed): dropped, the cache emptied"
         assert "Traceback" not in result.stderr
+    # As a stop in the middle of removing an earlier emptying's files leaves them.
+    leftover = mount.cache_dir / "trash.earlier" / "data" / "ab"
+    leftover.mkdir(parents=True)
+    (leftover / "cdef").write_bytes(b"z" * 5000)
     mount.start()
     assert mount.metric("cachefs_integrity_failures_total") == (damage == "overwritten")
     assert mount.metric("cachefs_cache_files") == 0
     assert not any(p.is_file() for p in (mount.cache_dir / "data").rglob("*"))
+    # The old files are put aside at once and removed in the background: none stays.
+    wait_for(lambda: not list(mount.cache_dir.glob("trash.*")), timeout=30)
+    assert not [p for p in mount.cache_dir.rglob("*") if p.is_file() and p in before]
     assert shuffled_read_all(mount.path, rels, seed=2) == want
     assert mount.metric("cachefs_file_opens_total", result="hit") == 0
     wait_for(lambda: mount.metric("cachefs_cache_files") == len(rels), timeout=30)

@@ -8,6 +8,7 @@
       index/                    diskcache (SQLite): what is stored, with checksums
       data/ab/cdef...           one file per cached file, named by a hash of (path, version)
       tmp/                      copies renamed into data/ once whole; swept at every start
+      trash.*/                  an emptied cache's index/, data/, tmp/, removed in the background
 
 A cached file is one local file whatever its size, so that the kernel can be handed it
 (FUSE passthrough).  Only the index makes a data file a cached file: a file a fill copies
@@ -31,6 +32,7 @@ import logging
 import os
 import shutil
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -48,6 +50,8 @@ FORMAT_VERSION = 2
 # refilled as files are read.
 OLDER_FORMATS = frozenset({1})
 MARKER_NAME = "cachefs-cache.json"
+# What an emptied cache's subdirectories are renamed to, under the cache dir, until removed.
+TRASH_PREFIX = "trash."
 # How often a successor waiting for the cache dir tries its lock again.
 LOCK_POLL_SECONDS = 0.01
 # Allocation granularity assumed when the filesystem has not yet told us
@@ -199,11 +203,37 @@ class CacheLayout:
         self._write_marker(marker)
 
     def empty(self) -> None:
-        """Remove the index and every cached file (our subdirectories only), and make the
-        subdirectories anew."""
+        """Put the index and every cached file (our subdirectories only) aside at once, under
+        a ``trash.*`` directory, and make the subdirectories anew.  Removing a million files
+        takes minutes, which a mount must not wait for: :meth:`remove_trash` does it."""
+        trash = Path(tempfile.mkdtemp(prefix=TRASH_PREFIX, dir=self.root))
         for sub in (self.index_dir, self.data_dir, self.tmp_dir):
-            shutil.rmtree(sub, ignore_errors=True)
+            try:
+                os.rename(sub, trash / sub.name)
+            except FileNotFoundError:
+                pass
             sub.mkdir(mode=0o700, exist_ok=True)
+
+    def remove_trash(self) -> threading.Thread | None:
+        """Remove, on a thread of its own, what :meth:`empty` put aside (now, or at an earlier
+        start that a stop cut short: the next start goes on with it); the thread, or None
+        when there is nothing to remove.  Its bytes are not on the store's account meanwhile:
+        a disk it leaves full refuses a fill, which admission then waits out."""
+        trash = [entry.path for entry in os.scandir(self.root)
+                 if entry.name.startswith(TRASH_PREFIX) and entry.is_dir(follow_symlinks=False)]
+        if not trash:
+            return None
+
+        def remove() -> None:
+            started = time.monotonic()
+            for path in trash:
+                shutil.rmtree(path, ignore_errors=True)
+            log.info("cache %s: what was emptied is removed (%.1f s)", self.root,
+                     time.monotonic() - started)
+
+        thread = threading.Thread(target=remove, name="remove-trash", daemon=True)
+        thread.start()
+        return thread
 
     def _write_marker(self, marker: Path) -> None:
         tmp = marker.with_suffix(".tmp")

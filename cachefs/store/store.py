@@ -316,6 +316,7 @@ class CacheStore:
         layout.lock(lock_wait_seconds)
         try:
             index, dropped = _open_index(layout)
+            layout.remove_trash()
             store = cls(layout, index, capacity_bytes, admission, on_integrity_failure)
             if dropped is not None:
                 store.dropped_index = dropped
