@@ -590,6 +590,12 @@ def test_warm_fills_the_cache_from_a_list(tmp_path, source, remote, mount_cachef
         assert (mount.path / rel).read_bytes() == (source / rel).read_bytes()
     assert mount.metric("cachefs_remote_read_bytes_total") == remote_before
     assert mount.metric("cachefs_file_opens_total", result="hit") == 50
+    # One file: said as one.
+    listing.write_text(f"{rels[0]}\n")
+    again = run_cachefs("warm", str(mount.path), "--list", str(listing))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("warmed 1 file in "), again.stdout
+    assert ": 0 fetched " in again.stdout and "1 already cached" in again.stdout, again.stdout
 
 
 def test_warm_of_every_file_passes_over_a_name_it_cannot_send(source, mount_cachefs):

@@ -404,12 +404,14 @@ def _warm_with(target: str, paths: PathList, connections: int,
         kept = job.done.paths
         resume = (f"run the same command again to go on after path {kept:,}" if
                   checkpoint is not None and kept else "nothing to go on from")
-        print(f"warm: {stopped} after {job.answered:,} files; {resume}", file=sys.stderr)
+        files = "file" if job.answered == 1 else "files"
+        print(f"warm: {stopped} after {job.answered:,} {files}; {resume}", file=sys.stderr)
         return 130 if stopped == "interrupted" else 1
     elapsed = time.monotonic() - started
     counts = job.counts
     earlier = f", {job.earlier:,} of them by an earlier warm" if job.earlier else ""
-    print(f"warmed {job.answered:,} files in {elapsed:.1f} s{earlier}: "
+    files = "file" if job.answered == 1 else "files"
+    print(f"warmed {job.answered:,} {files} in {elapsed:.1f} s{earlier}: "
           f"{counts['fetched']:,} fetched ({format_bytes(job.new_bytes)} now cached), "
           f"{counts['cached']:,} already cached, "
           f"{counts['not_admitted']:,} not admitted by the fraction, "
