@@ -661,6 +661,7 @@ def test_a_damaged_index_empties_the_cache_and_the_mount_serves(source, remote, 
         assert result.stdout.splitlines()[0] == \
             "the index was damaged (database disk image is malformed): dropped, the cache emptied"
         assert "Traceback" not in result.stderr
+        assert not list(mount.cache_dir.glob("trash.*"))  # removed before it said so
     # As a stop in the middle of removing an earlier emptying's files leaves them.
     leftover = mount.cache_dir / "trash.earlier" / "data" / "ab"
     leftover.mkdir(parents=True)

@@ -291,6 +291,8 @@ class CacheStore:
         self.startup_report = CheckReport()
         # Why the index this start found was dropped, the cache emptied with it (_open_index).
         self.dropped_index: str | None = None
+        # Removing what an emptying put aside (CacheLayout.remove_trash), while it runs.
+        self.trash_removal: threading.Thread | None = None
 
     @classmethod
     def open(
@@ -316,8 +318,9 @@ class CacheStore:
         layout.lock(lock_wait_seconds)
         try:
             index, dropped = _open_index(layout)
-            layout.remove_trash()
+            removing = layout.remove_trash()
             store = cls(layout, index, capacity_bytes, admission, on_integrity_failure)
+            store.trash_removal = removing
             if dropped is not None:
                 store.dropped_index = dropped
                 on_integrity_failure()

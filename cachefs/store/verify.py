@@ -34,6 +34,8 @@ def verify(cache_dir: Path, *, as_json: bool = False) -> int:
     except (OSError, sqlite3.Error) as exc:
         raise UsageError(refusal(cache_dir, exc)) from None
     report, dropped_index = store.startup_report, store.dropped_index
+    if store.trash_removal is not None:  # what it emptied leaves the disk before it says so
+        store.trash_removal.join()
     store.close()
     elapsed = time.monotonic() - started
     if as_json:
