@@ -10,7 +10,6 @@ import select
 import stat
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -25,7 +24,7 @@ from cachefs.sizes import parse_size
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.index import data_key
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
-from tests.conftest import disk_usage, files_written
+from tests.conftest import disk_usage, files_written, wait_for
 
 pytestmark = pytest.mark.fast
 
@@ -200,10 +199,8 @@ def test_the_background_scrub_finds_damage_no_reader_met(tmp_path):
     store = CacheStore.open(tmp_path / "cache", 64 * 2**20, FractionAdmission(1.0),
                             on_integrity_failure=lambda: failures.append(1), scrub=True)
     try:
-        deadline = time.monotonic() + 30
-        while (store._scrubber is None or store.scrub_figures()["running"]) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: store._scrubber is not None and not store.scrub_figures()["running"],
+                 timeout=30, what="the scrub's end")
         figures = store.scrub_figures()
         assert figures["trusted"] and not figures["running"]
         assert figures["files"] == len(files)

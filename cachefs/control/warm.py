@@ -400,17 +400,16 @@ def _warm_with(target: str, paths: PathList, connections: int,
             checkpoint.remove()  # the whole list is answered: a next warm starts over
         elif checkpoint is not None:
             job.save()
+    files = "file" if job.answered == 1 else "files"
     if stopped is not None:
         kept = job.done.paths
         resume = (f"run the same command again to go on after path {kept:,}" if
                   checkpoint is not None and kept else "nothing to go on from")
-        files = "file" if job.answered == 1 else "files"
         print(f"warm: {stopped} after {job.answered:,} {files}; {resume}", file=sys.stderr)
         return 130 if stopped == "interrupted" else 1
     elapsed = time.monotonic() - started
     counts = job.counts
     earlier = f", {job.earlier:,} of them by an earlier warm" if job.earlier else ""
-    files = "file" if job.answered == 1 else "files"
     print(f"warmed {job.answered:,} {files} in {elapsed:.1f} s{earlier}: "
           f"{counts['fetched']:,} fetched ({format_bytes(job.new_bytes)} now cached), "
           f"{counts['cached']:,} already cached, "

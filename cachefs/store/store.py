@@ -318,9 +318,8 @@ class CacheStore:
         layout.lock(lock_wait_seconds)
         try:
             index, dropped = _open_index(layout)
-            removing = layout.remove_trash()
             store = cls(layout, index, capacity_bytes, admission, on_integrity_failure)
-            store.trash_removal = removing
+            store.trash_removal = layout.remove_trash()
             if dropped is not None:
                 store.dropped_index = dropped
                 on_integrity_failure()
