@@ -7,9 +7,13 @@ import errno
 import os
 import random
 import select
+import shutil
 import stat
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -380,7 +384,6 @@ def test_random_stress_of_store_against_a_model(open_store):
 
 def test_chunks_written_at_once_into_a_new_directory_all_land(tmp_path):
     """Writers racing to create the same fan-out directory all succeed."""
-    import threading
 
     from cachefs.store.layout import CacheLayout
 
@@ -396,7 +399,7 @@ def test_chunks_written_at_once_into_a_new_directory_all_land(tmp_path):
     def write(key: bytes, barrier: threading.Barrier) -> None:
         barrier.wait()
         try:
-            layout.write_whole(key, key)
+            layout.write_whole(key, key, Version(len(key), 1))
         except OSError as exc:
             failures.append(exc)
 
@@ -620,6 +623,62 @@ def test_a_clean_stop_lets_the_next_start_trust_its_account_without_a_scan(open_
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert store.local_file(b"f2", store.lookup(b"f2")) is None
     assert store.lookup(b"f2") is None  # dropped
+
+
+def _marked_bytes(store, name: str, version: Version) -> bytes | None:
+    """The bytes of the copy the store finds by its check mark alone (no index), if any."""
+    found = store.checked_file(os.fsencode(name), version)
+    if found is None:
+        return None
+    fd, _checked_as = found
+    try:
+        return os.pread(fd, version.size + 1, 0)
+    finally:
+        os.close(fd)
+
+
+def test_a_marked_copy_is_found_without_the_index_only_while_it_is_the_one_hashed(open_store):
+    """A whole file of one chunk, filled by the kernel's copy or written from the daemon's
+    bytes, is found by its check mark with no index query, the bytes that were hashed.  Not
+    found that way (the index answers instead): another version, a copy written since, a file
+    put in its place carrying its mark, a dropped one, one of a store not trusted yet."""
+    store = open_store()
+    files = {f"f{i}": os.urandom(5000 + i) for i in range(6)}
+    for name, data in files.items():
+        if name == "f0":
+            assert store.fill(b"f0", attr_of(len(data)), lambda fd, d=data: os.write(fd, d))
+        else:
+            assert put_file(store, name, data)
+    version = {name: Version(len(data), 1) for name, data in files.items()}
+    path = {name: store.layout.data_path(data_key(os.fsencode(name), version[name]))
+            for name in files}
+    assert [_marked_bytes(store, n, version[n]) for n in files] == list(files.values())
+    assert _marked_bytes(store, "f0", Version(len(files["f0"]), 2)) is None
+    assert _marked_bytes(store, "absent", Version(10, 1)) is None
+
+    time.sleep(0.05)  # past the clock tick of the fill's own writes
+    with open(path["f1"], "r+b") as f:  # written since it was hashed
+        f.write(b"\0")
+    assert _marked_bytes(store, "f1", version["f1"]) is None
+    assert store.local_file(b"f1", store.lookup(b"f1")) is None  # the index: verified, failed
+    # Other bytes put in its place, carrying its mark and its mtime: only the inode differs.
+    other = path["f2"] + ".other"
+    Path(other).write_bytes(os.urandom(len(files["f2"])))
+    shutil.copystat(path["f2"], other)  # the mark (an extended attribute) and the times
+    os.replace(other, path["f2"])
+    assert _marked_bytes(store, "f2", version["f2"]) is None
+    store.drop(b"f3")
+    assert _marked_bytes(store, "f3", version["f3"]) is None
+    store.close()
+
+    # As a crash leaves it: nothing is trusted until it is verified.
+    (store.layout.root / "clean-stop.json").unlink()
+    store = open_store()
+    assert store.ready.wait(10)
+    assert _marked_bytes(store, "f4", version["f4"]) is None
+    fd = store.local_file(b"f4", store.lookup(b"f4"))  # verified through the index
+    os.close(fd)
+    assert _marked_bytes(store, "f4", version["f4"]) == files["f4"]
 
 
 def test_a_changed_fraction_at_a_clean_start_drops_what_it_no_longer_keeps(open_store):

@@ -198,7 +198,16 @@ class CachedTree:
         admission = self.store.admission
         eligible = admission.eligible(relpath)
         # A file the cache would not keep is not in it: no index lookup for it.
-        record = self.store.lookup(key) if eligible or admission.holds_others else None
+        kept = eligible or admission.holds_others
+        if kept and (prefetched is None or prefetched.staged is None):
+            # A small file whose cache copy says it is this version, whole and checked: no
+            # index query either (what it cannot tell, the index answers below).
+            marked = self.store.checked_file(key, attr.version)
+            if marked is not None:
+                self.count_open(cache_result, cache_source, attr.size)
+                return Located("cache", cache_result, cache_source, fd=marked[0],
+                               checked_as=marked[1])
+        record = self.store.lookup(key) if kept else None
         if record is not None and record.version != attr.version:
             log.info("%s changed on the remote: cached copy dropped", relpath)
             self.store.drop(key)

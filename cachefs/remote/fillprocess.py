@@ -101,7 +101,7 @@ def fill_one(src: int, tmp: str, version: Version) -> Outcome:
     whole = False
     try:
         checksums, written = copy_and_hash(
-            out, version.size, lambda fd: send_checked(src, fd, version))
+            out, version, lambda fd: send_checked(src, fd, version))
         whole = True
         return Outcome(COPIED, checksums=checksums, allocated=allocated_bytes(written))
     except RemoteChanged as exc:

@@ -41,7 +41,9 @@ from typing import NamedTuple
 
 import xxhash
 
+from cachefs.attr import Version
 from cachefs.errors import UsageError
+from cachefs.store.mark import mark_checked
 
 log = logging.getLogger(__name__)
 
@@ -279,13 +281,15 @@ class CacheLayout:
     def data_path(self, key: bytes) -> str:
         return self._data_prefix + self.data_name(key)
 
-    def write_whole(self, key: bytes, data: bytes | memoryview) -> int:
-        """Store ``data`` as the whole data file, atomically; returns the bytes allocated."""
+    def write_whole(self, key: bytes, data: bytes | memoryview, version: Version) -> int:
+        """Store ``data``, hashed, as the whole data file of ``version``, marked (mark.py)
+        and put in place atomically; returns the bytes allocated."""
         new = self.create_tmp(key)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(new.fd, view) :]
+            mark_checked(new.fd, version)
             allocated = allocated_bytes(os.fstat(new.fd))
         except BaseException:
             os.close(new.fd)

@@ -13,7 +13,10 @@ Two ways to read a cached file:
   it had the inode, mtime and ctime it has now (nothing has written to it since), and the
   store trusts those records: it started after a clean stop, or the scrub (scrub.py) has
   been over the file since.  Otherwise it is verified first: small files on the spot, larger
-  ones by a background thread (read chunk by chunk until then).
+  ones by a background thread (read chunk by chunk until then).  A file of one chunk is
+  found without its record at all, by the check mark it carries (mark.py,
+  :meth:`CacheStore.checked_file`): at a million files the record is a read of the index's
+  pages from the disk, the mark is in the inode the open reads anyway.
 
 A chunk or file that fails is dropped, counted and refetched by the caller.
 
@@ -59,6 +62,7 @@ from cachefs.store.layout import (
     disk_full,
     unlink_quietly,
 )
+from cachefs.store.mark import mark_checked, marked_as
 from cachefs.store.presence import KeyFilter
 from cachefs.store.reconcile import (
     Account,
@@ -145,18 +149,22 @@ def checksums_of(fd: int, size: int) -> tuple[int, ...]:
     return tuple(checksums)
 
 
-def copy_and_hash(fd: int, size: int, copy: Callable[[int], None]
+def copy_and_hash(fd: int, version: Version, copy: Callable[[int], None]
                   ) -> tuple[tuple[int, ...], os.stat_result]:
-    """Have ``copy(fd)`` write a file of ``size`` bytes into the new file ``fd``, then hash it
-    as written: (its chunks' checksums, its stat once written).  The one step of a fill, on
-    a thread of the daemon (CacheStore.fill) or in a fill process (fillprocess.py); what
-    ``copy`` raises is raised, and a copy of another length is CacheCorrupt (the copier's
-    fault, not the disk's)."""
+    """Have ``copy(fd)`` write the ``version.size`` bytes of ``version`` into the new file
+    ``fd``, then hash it as written (and mark it, a file of one chunk: mark.py): (its chunks'
+    checksums, its stat once written).  The one step of a fill, on a thread of the daemon
+    (CacheStore.fill) or in a fill process (fillprocess.py); what ``copy`` raises is raised,
+    and a copy of another length is CacheCorrupt (the copier's fault, not the disk's)."""
     copy(fd)
     st = os.fstat(fd)
-    if st.st_size != size:
-        raise CacheCorrupt(f"the copy wrote {st.st_size} bytes, not {size}")
-    return checksums_of(fd, size), st
+    if st.st_size != version.size:
+        raise CacheCorrupt(f"the copy wrote {st.st_size} bytes, not {version.size}")
+    checksums = checksums_of(fd, version.size)
+    if len(checksums) == 1:
+        mark_checked(fd, version, st)  # hashing read it: as it was written
+        st = os.fstat(fd)  # its ctime moved
+    return checksums, st
 
 
 def _key_hash(key: bytes) -> int:
@@ -565,6 +573,31 @@ class CacheStore:
         os.close(fd)
         return None
 
+    def checked_file(self, key: bytes, version: Version
+                     ) -> tuple[int, tuple[int, int, int]] | None:
+        """(a read-only descriptor, its ``checked_as``) of the whole cached copy of
+        ``version`` of a file of one chunk, found by its check mark (mark.py) without asking
+        the index, when the store trusts it; None whenever the mark cannot tell (then ask the
+        index: :meth:`local_file`).  The caller closes the descriptor."""
+        if not 0 < version.size <= CHUNK_BYTES \
+                or not (self._trusted or _key_hash(key) in self._verified):
+            return None
+        present = self.index.present
+        if present is not None and key not in present:  # never stored: no open to fail
+            return None
+        try:
+            fd = self.layout.open_data(data_key(key, version))
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if marked_as(fd, st, version):
+                return fd, _checked_as(st)
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
     def still_held(self, key: bytes, attr: Attr, checked_as: tuple[int, int, int]) -> bool:
         """Whether a cached file a caller keeps registered with the kernel across opens may
         still be handed over as it was, without asking the index: version ``attr``'s data
@@ -756,7 +789,7 @@ class CacheStore:
             if new is None:  # the store is closing
                 return False
             try:  # the remote's errors, and a copy of another length, go to the caller
-                checksums, written = copy_and_hash(new.fd, attr.size, copy)
+                checksums, written = copy_and_hash(new.fd, attr.version, copy)
             except CacheUnavailable as exc:  # the copy met the cache disk's refusal
                 self._discard(new)
                 self._pause_admission(exc.__cause__ or OSError(errno.EIO, str(exc)))
@@ -1000,7 +1033,7 @@ class CacheStore:
             return False
         try:
             if single:
-                allocated = self.layout.write_whole(dkey, data)
+                allocated = self.layout.write_whole(dkey, data, attr.version)
             else:
                 allocated = self.layout.write_at(dkey, number * CHUNK_BYTES, data)
         finally:
