@@ -681,6 +681,37 @@ def test_a_marked_copy_is_found_without_the_index_only_while_it_is_the_one_hashe
     assert _marked_bytes(store, "f4", version["f4"]) == files["f4"]
 
 
+def test_copies_of_an_older_cachefs_are_marked_by_the_scrub(tmp_path):
+    """Copies without a check mark (an older cachefs wrote them) are found through the index,
+    and marked as the scrub verifies them after the next start: from then on found by the
+    mark, the bytes right, each record's check the file as it is now."""
+    from cachefs.store.mark import MARK_NAME
+
+    store = CacheStore.open(tmp_path / "cache", 64 * 2**20, FractionAdmission(1.0))
+    files = {f"f{i}": os.urandom(3000 + i) for i in range(30)}
+    for name, data in files.items():
+        assert put_file(store, name, data)
+    for name, data in files.items():
+        os.removexattr(store.layout.data_path(data_key(os.fsencode(name),
+                                                       Version(len(data), 1))), MARK_NAME)
+    store.close()
+
+    store = CacheStore.open(tmp_path / "cache", 64 * 2**20, FractionAdmission(1.0),
+                            scrub=True)
+    try:
+        wait_for(lambda: store._scrubber is not None and not store.scrub_figures()["running"],
+                 timeout=30, what="the scrub's end")
+        assert store.scrub_figures()["files"] == len(files)
+        for name, data in files.items():
+            assert _marked_bytes(store, name, Version(len(data), 1)) == data
+            fd = store.local_file(os.fsencode(name), store.lookup(os.fsencode(name)))
+            assert fd is not None
+            os.close(fd)
+        assert store.check(fix=False, verify_data=True).problems == 0
+    finally:
+        store.close()
+
+
 def test_a_changed_fraction_at_a_clean_start_drops_what_it_no_longer_keeps(open_store):
     store = open_store()
     for i in range(100):

@@ -633,6 +633,11 @@ class CacheStore:
             if chunk is None or len(data) != chunk.length or _checksum(data) != chunk.checksum:
                 self._corrupt_chunk(key, record, number, "its checksum does not match")
                 return None
+        if chunk_count(record.attr.size) == 1 and not marked_as(fd, st, record.version):
+            # A copy an older cachefs wrote: marked now (the scrub goes over every file
+            # after each start), so that its next opens need no index query.
+            mark_checked(fd, record.version, st)
+            st = os.fstat(fd)
         self._mark_checked(key, record, st)
         return record.attr.size
 
