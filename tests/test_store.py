@@ -259,6 +259,19 @@ def test_shrunken_capacity_is_enforced_at_start(open_store, tmp_path):
     assert kept and dropped and kept[-1] < dropped[0]
 
 
+def test_a_full_cache_restarted_on_the_same_budget_keeps_every_file(open_store):
+    """A full cache keeps room for its index to grow into; the index grown into it by the
+    stop is no budget overrun: the same budget at the next start drops nothing."""
+    store = open_store(capacity=4 * 2**20)
+    stored = sum(put_file(store, f"f{i}", os.urandom(10_000)) for i in range(400))
+    assert stored < 400  # full
+    store.close()
+    store = open_store(capacity=4 * 2**20)
+    assert store.ready.wait(10)
+    assert store.complete_files == stored
+    assert store.startup_report.over_budget_files == 0
+
+
 def test_new_version_replaces_old(open_store):
     store = open_store()
     put_file(store, "x", b"old bytes", mtime_ns=1)

@@ -1230,11 +1230,13 @@ class CacheStore:
         return freed or 0  # the reconciliation counts what is on the disk
 
     def exceeds_capacity(self, data_bytes: int) -> bool:
-        """Whether data files of ``data_bytes``, with the rest, would not fit the budget (it
-        shrank since they were written)."""
+        """Whether data files of ``data_bytes``, with the rest, do not fit the budget (it
+        shrank since they were written).  Not counting the room a full cache keeps for its
+        index to grow into: the index grew into it, as it may (trimming, when it is over,
+        makes that room again)."""
         with self._lock:
             others = self._index_bytes + self._fixed_bytes + self._fan_total
-        return data_bytes + others + INDEX_HEADROOM_BYTES > self.capacity_bytes
+        return data_bytes + others > self.capacity_bytes
 
     def _trim_to_capacity(self, keys: list[bytes]) -> int:
         """Drop files until the store fits its capacity (it shrank since the last run).
