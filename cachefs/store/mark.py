@@ -10,8 +10,9 @@ An open of a file the store trusts (CacheStore.checked_file) then costs the desc
 hands over, its fstat and one getxattr on it, the inode already read by the open: no query
 of the index, which at a million files is a read of its pages from the disk.  What it cannot
 tell (no mark, another version, a file written since, a store not trusted yet) it leaves to
-the index, so an unmarked cache (an older one, a file system without user extended
-attributes) is served as before, only slower.
+the index: a cache on a file system without user extended attributes is served as before,
+only slower, and the copies an older cachefs wrote are marked as they are verified (the
+scrub goes over every file after each start: CacheStore._verify).
 
 Whatever drops a record removes its data file (CacheStore._drop_locked, forget_record), and
 a file of a larger size is never marked (its chunks are dropped one by one), so a mark
@@ -79,7 +80,3 @@ def marked_as(fd: int, st: os.stat_result, version: Version) -> bool:
         return False
     return mark == _MARK.pack(version.size, version.mtime_ns, st.st_ino, st.st_mtime_ns) \
         and st.st_size == version.size
-
-
-def marks_supported() -> bool:
-    return _Support.marks
