@@ -8,11 +8,17 @@ import errno
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
 
-from cachefs.control.server import PATH_CHECK_SECONDS, ControlServer, Reply
+from cachefs.control.server import (
+    FETCH_ANSWERS_HELD_SECONDS,
+    PATH_CHECK_SECONDS,
+    ControlServer,
+    Reply,
+)
 from tests.conftest import control_socket_path, make_files, run_cachefs, wait_for
 
 
@@ -48,6 +54,46 @@ def test_a_failing_request_is_answered_and_the_connection_goes_on(tmp_path, capl
     # One record for the connection's failures, not one per failed request.
     failures = [r for r in caplog.records if "control request" in r.getMessage()]
     assert len(failures) == 1, [r.getMessage() for r in failures]
+
+
+@pytest.mark.timeout(60)
+def test_answers_a_slow_fetch_or_a_read_before_the_next_fetch_runs(tmp_path):
+    """A warm's FETCHes of a fast remote are answered a few at a time, but the answer to
+    one that took long (a remote with latency), or to a read, is sent before the next FETCH
+    runs: here that FETCH waits until the client has the answer before it."""
+    answered = threading.Event()
+
+    def fetch(peer, argument: bytes) -> Reply:
+        if argument == b"slow":
+            time.sleep(FETCH_ANSWERS_HELD_SECONDS * 10)
+        elif argument == b"waits":
+            released = answered.wait(10)
+            answered.clear()
+            return Reply({"ok": True, "released": released})
+        return Reply({"ok": True, "fetched": argument.decode()})
+
+    server = ControlServer(tmp_path / "control.sock", {b"FETCH": fetch, b"READ": fail_or_echo})
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(30)
+            conn.connect(str(server.path))
+            reader = conn.makefile("rb")
+            answers = []
+            for first in (b"FETCH slow", b"READ one"):
+                conn.sendall(first + b"\nFETCH waits\n")
+                answers.append(json.loads(reader.readline()))
+                answered.set()
+                answers.append(json.loads(reader.readline()))
+            conn.sendall(b"FETCH a\nFETCH b\nFETCH c\n")
+            answers += [json.loads(reader.readline()) for _ in range(3)]
+    finally:
+        server.close()
+    assert answers == [
+        {"ok": True, "fetched": "slow"}, {"ok": True, "released": True},
+        {"ok": True, "echo": "one"}, {"ok": True, "released": True},
+        {"ok": True, "fetched": "a"}, {"ok": True, "fetched": "b"},
+        {"ok": True, "fetched": "c"},
+    ]
 
 
 @pytest.mark.timeout(30)
