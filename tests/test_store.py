@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from cachefs.metrics import Metrics
 from cachefs.mirror.mirrorfs import MirrorFS
 from cachefs.service.config import build_settings, parse_metrics_addr
 from cachefs.sizes import parse_size
+from cachefs.store import reconcile as reconcile_module
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.index import data_key
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
@@ -49,6 +51,22 @@ def open_store(tmp_path):
     yield factory
     for store in stores:
         store.close()
+
+
+@pytest.fixture
+def another_boot(tmp_path, monkeypatch):
+    """Calling it makes the starts from then on run in another boot of the machine, as after
+    a power cut."""
+    def switch() -> None:
+        boot_id = tmp_path / f"boot_id.{uuid.uuid4().hex}"
+        boot_id.write_text(f"{uuid.uuid4()}\n")
+        monkeypatch.setattr(reconcile_module, "BOOT_ID_PATH", boot_id)
+    return switch
+
+
+def as_a_crash_leaves_it(store) -> None:
+    """The cache dir of a store closed as a crash leaves it: no record of a clean stop."""
+    (store.layout.root / reconcile_module.CLEAN_STOP_NAME).unlink()
 
 
 def put_file(store, name: str, data: bytes, mtime_ns: int = 1) -> bool:
@@ -650,7 +668,8 @@ def _marked_bytes(store, name: str, version: Version) -> bytes | None:
         os.close(fd)
 
 
-def test_a_marked_copy_is_found_without_the_index_only_while_it_is_the_one_hashed(open_store):
+def test_a_marked_copy_is_found_without_the_index_only_while_it_is_the_one_hashed(open_store,
+                                                                                  another_boot):
     """A whole file of one chunk, filled by the kernel's copy or written from the daemon's
     bytes, is found by its check mark with no index query, the bytes that were hashed.  Not
     found that way (the index answers instead): another version, a copy written since, a file
@@ -684,14 +703,77 @@ def test_a_marked_copy_is_found_without_the_index_only_while_it_is_the_one_hashe
     assert _marked_bytes(store, "f3", version["f3"]) is None
     store.close()
 
-    # As a crash leaves it: nothing is trusted until it is verified.
-    (store.layout.root / "clean-stop.json").unlink()
+    # As a crash of the machine leaves it: nothing is trusted until it is verified.
+    as_a_crash_leaves_it(store)
+    another_boot()
     store = open_store()
     assert store.ready.wait(10)
     assert _marked_bytes(store, "f4", version["f4"]) is None
     fd = store.local_file(b"f4", store.lookup(b"f4"))  # verified through the index
     os.close(fd)
     assert _marked_bytes(store, "f4", version["f4"]) == files["f4"]
+
+
+def test_a_crash_of_the_daemon_alone_leaves_its_records_trusted_one_of_the_machine_not(
+        tmp_path, another_boot):
+    """After a crash of the daemon alone (kill -9: the same boot) the next start trusts the
+    records as after a clean stop, and takes a check mark alone once reconciled.  After a crash
+    of the machine (another boot) nothing is trusted until verified: nor by a start after that
+    store crashed too, nor after it stopped cleanly, before its scrub had been over every file;
+    a copy the power cut damaged then is found out, not handed over by its mark."""
+    def reopen() -> CacheStore:
+        return CacheStore.open(tmp_path / "cache", 64 * 2**20, FractionAdmission(1.0),
+                               scrub=False)
+
+    def marked(store: CacheStore) -> dict[str, bytes | None]:
+        return {name: _marked_bytes(store, name, Version(len(data), 1))
+                for name, data in files.items()}
+
+    store = reopen()
+    files = {f"f{i}": os.urandom(3000 + i) for i in range(20)}
+    for name, data in files.items():
+        assert put_file(store, name, data)
+    store.close()
+    as_a_crash_leaves_it(store)
+
+    store = reopen()  # the daemon alone crashed, in this boot
+    try:
+        assert store.scrub_figures()["trusted"]
+        assert store.ready.wait(10)
+        assert marked(store) == files
+    finally:
+        store.close()
+    as_a_crash_leaves_it(store)
+    another_boot()
+
+    for start in ("after the machine's crash", "after this one's crash", "after a clean stop"):
+        store = reopen()
+        try:
+            assert not store.scrub_figures()["trusted"], start
+            assert store.ready.wait(10)
+            assert set(marked(store).values()) == {None}, start
+        finally:
+            store.close()
+        if start == "after the machine's crash":
+            as_a_crash_leaves_it(store)
+        if start == "after this one's crash":  # a copy the power cut left with other bytes
+            path = store.layout.data_path(data_key(b"f5", Version(len(files["f5"]), 1)))
+            st = os.stat(path)
+            with open(path, "r+b") as f:
+                f.write(b"\0" * 100)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    store = reopen()
+    try:
+        assert store.local_file(b"f5", store.lookup(b"f5")) is None  # verified: found out
+        assert store.lookup(b"f5") is None
+        fd = store.local_file(b"f6", store.lookup(b"f6"))
+        try:
+            assert os.pread(fd, 10_000, 0) == files["f6"]
+        finally:
+            os.close(fd)
+    finally:
+        store.close()
 
 
 def test_copies_of_an_older_cachefs_are_marked_by_the_scrub(tmp_path):

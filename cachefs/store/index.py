@@ -70,6 +70,11 @@ INDEX_SETTINGS = {
 }
 
 
+def database_path(directory: str | Path) -> str:
+    """The SQLite database of the index kept in ``directory``."""
+    return os.path.join(directory, diskcache.core.DBNAME)
+
+
 class FileRecord(NamedTuple):
     """One cached file: its remote attributes and how many of its chunks are stored."""
 
@@ -326,7 +331,7 @@ def _share_one_connection(cache: diskcache.Cache) -> sqlite3.Connection:
     its descriptors and page cache) under load.  One connection, opened here
     across threads and used under CacheIndex's lock, avoids all of that.
     """
-    path = os.path.join(cache.directory, diskcache.core.DBNAME)
+    path = database_path(cache.directory)
     shared = types.SimpleNamespace(pid=os.getpid())
     old, cache._local = cache._local, shared
     old_con = getattr(old, "con", None)

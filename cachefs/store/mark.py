@@ -16,8 +16,9 @@ scrub goes over every file after each start: CacheStore._verify).
 
 Whatever drops a record removes its data file (CacheStore._drop_locked, forget_record), and
 a file of a larger size is never marked (its chunks are dropped one by one), so a mark
-never outlives its record by more than what a crash loses of the index's last writes; after
-a crash nothing is trusted until verified, and the reconciliation removes such orphans.
+never outlives its record by more than what a crash loses of the index's last writes: after
+a crash no mark is taken alone until the reconciliation has removed such orphans (and after
+a crash of the machine nothing is trusted until verified: reconcile.py).
 
 The mark holds no checksum: it says the file is the whole copy that was hashed, not what its
 bytes are; a disk that flips a bit under it is the scrub's to find, as for the index.  Nor

@@ -9,9 +9,24 @@ After a **crash** (kill -9, the OOM killer, a power cut) there is no such record
 and the disk may disagree: a fill in place whose record was not committed yet (records are
 committed in groups) or that was cut short, a record whose data file never reached the disk.
 The mount serves at once; :func:`reconcile` runs in the background, admission paused meanwhile (the
-account is not known), and every cached file is verified against its checksums before it is
-handed over until the scrub (scrub.py) has been over it.  It streams: a million records cost
-some 16 MiB of arrays, not a set of a million names.
+account is not known).  It streams: a million records cost some 16 MiB of arrays, not a set of
+a million names.
+
+Whether the records' checks are trusted meanwhile depends on what crashed.  Only a crash of
+the **machine** (a power cut, a kernel panic, a reset) can leave a committed record whose data
+file never reached the disk, and it comes back with a new boot id: then every cached file is
+verified against its checksums before it is handed over, until the scrub (scrub.py) has been
+over it.  A crash of the **daemon** alone (kill -9, the OOM killer, a serving process's fault;
+the supervisor then starts another on the same mount) loses no byte the kernel took: the data
+files read as they were written, the page cache being the file system's, and every committed
+record names a data file that was whole and checked when it was written (records follow their
+data).  What it loses is records not yet committed, whose data files the reconciliation finds
+without one, and fills cut short, which carry neither a record nor a check mark.  So a daemon
+that trusted its cache leaves ``trusted-in-boot`` (the boot id and the index's identity), and
+a start after a crash in the same boot trusts the records at once, as after a clean stop: the
+first epoch after such a restart hashes nothing again.  The record is taken at every start,
+and left again only once the store trusts its records, so trust is only ever carried from a
+daemon that had it.
 
 ``cachefs verify`` runs :func:`reconcile` with every checksum read.
 
@@ -30,9 +45,10 @@ import dataclasses
 import json
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cachefs.store.index import CacheIndex, chunk_key, data_key, split_key
+from cachefs.store.index import CacheIndex, chunk_key, data_key, database_path, split_key
 from cachefs.store.layout import CacheLayout
 from cachefs.store.presence import KeyFilter
 
@@ -44,6 +60,8 @@ log = logging.getLogger(__name__)
 CLEAN_STOP_NAME = "clean-stop.json"
 PRESENT_KEYS_NAME = "present-keys.bin"
 CLEAN_STOP_FORMAT = 1
+TRUSTED_BOOT_NAME = "trusted-in-boot"
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
 @dataclasses.dataclass
@@ -75,6 +93,10 @@ class Account:
     data_bytes: int
     complete_files: int
     admission: str  # what kept the files (admission.py describe()): reconciled if it changes
+    # Whether its records' checks were trusted: not by a store that started after a crash of
+    # the machine and stopped before the scrub had verified every file (its next start goes
+    # on verifying them, where a clean stop would otherwise have made them trusted).
+    trusted: bool = True
 
 
 # -- the clean stop -----------------------------------------------------------------------------
@@ -101,7 +123,7 @@ def take_clean_stop(layout: CacheLayout) -> tuple[Account, KeyFilter | None] | N
     try:
         info = json.loads(marker.read_text())
         account = Account(int(info["data_bytes"]), int(info["complete_files"]),
-                          str(info["admission"]))
+                          str(info["admission"]), info.get("trusted", True) is True)
         if info["format"] != CLEAN_STOP_FORMAT:
             raise ValueError(f"format {info['format']}")
     except FileNotFoundError:
@@ -118,6 +140,54 @@ def take_clean_stop(layout: CacheLayout) -> tuple[Account, KeyFilter | None] | N
             pass
     layout.sync_dir(layout.root)
     return None if account is None else (account, present)
+
+
+# -- a crash of the daemon alone ----------------------------------------------------------------
+
+def _trust_identity(layout: CacheLayout) -> str | None:
+    """This boot, and the index the cache's records are in (another index, a cache dir put
+    back from a copy, is not the one trusted): None when either cannot be read."""
+    try:
+        boot = BOOT_ID_PATH.read_text().strip()
+        index = os.stat(database_path(layout.index_dir))
+    except OSError:
+        return None
+    return f"{boot} {index.st_dev} {index.st_ino}" if boot else None
+
+
+def leave_trusted_boot(layout: CacheLayout) -> None:
+    """Record that the records are trusted, in this boot (see the module's docstring).  Not
+    synced: lost in a power cut, it costs a start the trust the new boot takes anyway."""
+    identity = _trust_identity(layout)
+    if identity is None:
+        return
+    marker = layout.root / TRUSTED_BOOT_NAME
+    tmp = marker.with_suffix(".tmp")
+    try:
+        tmp.write_text(identity)
+        os.replace(tmp, marker)
+    except OSError as exc:  # the next start after a crash verifies, as after a power cut
+        log.warning("cache %s: the record of its trust could not be written (%s)",
+                    layout.root, exc.strerror or exc)
+
+
+def take_trusted_boot(layout: CacheLayout) -> bool:
+    """Whether the daemon before this one trusted the records in this boot, the record of it
+    removed: a crash of this one before it trusts them is not taken for one after."""
+    marker = layout.root / TRUSTED_BOOT_NAME
+    try:
+        recorded = marker.read_text()
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError):
+        recorded = None
+    try:
+        os.unlink(marker)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False  # it would be taken again at the next start
+    return recorded is not None and recorded == _trust_identity(layout)
 
 
 # -- reconciling --------------------------------------------------------------------------------

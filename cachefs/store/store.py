@@ -68,8 +68,10 @@ from cachefs.store.reconcile import (
     Account,
     CheckReport,
     leave_clean_stop,
+    leave_trusted_boot,
     reconcile,
     take_clean_stop,
+    take_trusted_boot,
 )
 from cachefs.store.scrub import Scrubber
 
@@ -238,7 +240,8 @@ class CacheStore:
     checksums).  ``_lock`` guards the space account (``_data_bytes``, ``_reserved_bytes``,
     ``_fan_bytes``, ``_fan_total``, ``_index_bytes``), ``_complete_files``, ``_filling``,
     ``_chunk_writes``, ``_closing`` and every read-modify-write of a file record.
-    ``_verified`` is a set changed by single operations, ``_trusted`` a flag set once;
+    ``_verified`` is a set changed by single operations, ``_trusted`` and ``_marks_alone``
+    flags set once;
     ``_fan_writes`` counts without a lock (a lost count only moves when a directory is
     measured next).
     """
@@ -281,6 +284,10 @@ class CacheStore:
         # file); until then, the keys (their 64-bit hashes) verified in this process.
         self._trusted = False
         self._verified: set[int] = set()
+        # Whether a check mark alone makes a copy cached (checked_file): not while the
+        # reconciliation after a crash may find marked copies whose records the crash lost
+        # (filled between the mark and the index's next commit), which it removes.
+        self._marks_alone = True
         self._to_verify: queue.SimpleQueue[tuple[bytes, FileRecord] | None] = \
             queue.SimpleQueue()
         self._verifying: set[bytes] = set()
@@ -332,6 +339,8 @@ class CacheStore:
                 store.dropped_index = dropped
                 on_integrity_failure()
             clean = None if verify_data else take_clean_stop(layout)
+            # Taken at every start: left again only once this store trusts its records.
+            trusted_in_this_boot = take_trusted_boot(layout) and not verify_data
             if clean is not None:
                 store._resume(*clean)
                 if clean[0].admission != admission.describe() \
@@ -342,8 +351,13 @@ class CacheStore:
             elif verify_data or store.index.empty:
                 # Nothing to distrust (a new cache), or every checksum read now.
                 store._reconcile(verify_data=verify_data)
-                store._trusted = True
+                store._trust_records()
             else:
+                # A crash: of the daemon alone, in this boot, whose records are as good as
+                # after a clean stop; or of the machine (reconcile.py).
+                store._marks_alone = False
+                if trusted_in_this_boot:
+                    store._trust_records()
                 store._reconcile_in_background()
         except BaseException:
             layout.unlock()
@@ -353,21 +367,25 @@ class CacheStore:
         return store
 
     def _resume(self, account: Account, present: KeyFilter | None) -> None:
-        """After a clean stop: its account, its filter of keys, trusted records."""
+        """After a clean stop: its account, its filter of keys, and records trusted when the
+        store that stopped trusted them."""
         self.layout.sweep_tmp()
         self.index.present = present
         with self._lock:
             self._data_bytes = account.data_bytes
             self._complete_files = account.complete_files
             self._measure_directories_locked()
-            self._trusted = True
+        if account.trusted:
+            self._trust_records()
         self.ready.set()
         self.startup_report = CheckReport(files=account.complete_files,
                                           complete_files=account.complete_files,
                                           data_bytes=account.data_bytes)
-        log.info("cache %s: %d files, %s of %s used; stopped cleanly, nothing to reconcile",
+        log.info("cache %s: %d files, %s of %s used; stopped cleanly, nothing to reconcile%s",
                  self.layout.root, account.complete_files, self.used_bytes,
-                 self.capacity_bytes)
+                 self.capacity_bytes, "" if account.trusted else
+                 " (not verified since a crash of the machine yet: cached files are verified "
+                 "before they are handed over until the scrub has been over them)")
 
     def _reconcile_in_background(self, because: str = "") -> None:
         """After a crash (or a change of admission or budget): serve now, reconcile
@@ -375,6 +393,11 @@ class CacheStore:
         if because:
             log.info("cache %s: reconciling it with its index in the background, as %s; "
                      "nothing new is admitted until then", self.layout.root, because)
+        elif self._trusted:
+            log.warning("cache %s did not stop cleanly, but in this boot and trusted: its "
+                        "cached files are handed over as after a clean stop; reconciling it "
+                        "with its index in the background, nothing new admitted until then",
+                        self.layout.root)
         else:
             log.warning("cache %s did not stop cleanly: reconciling it with its index in the "
                         "background; cached files are verified before they are handed over, "
@@ -406,6 +429,7 @@ class CacheStore:
             return
         self.startup_report = report
         self._reconciling = False
+        self._marks_alone = True
         self.ready.set()
         log.info("cache %s: %d files (%d complete), %d chunks, %s of %s used",
                  self.layout.root, report.files, report.complete_files, report.chunks,
@@ -427,9 +451,15 @@ class CacheStore:
         threading.Thread(target=scrub_when_ready, name="scrub-wait", daemon=True).start()
 
     def _trust_records(self) -> None:
-        """The scrub has been over every file: records' checks are trusted from now on."""
+        """Records' checks are trusted from now on (a clean stop before, a new cache, the
+        scrub over every file, a crash of the daemon alone in this boot), and by the next
+        start after a crash in this boot."""
         self._trusted = True
         self._verified = set()
+        leave_trusted_boot(self.layout)
+        fixed = self.layout.fixed_bytes()  # the record is one of its small files
+        with self._lock:
+            self._fixed_bytes = fixed
 
     def close(self) -> None:
         with self._lock:
@@ -452,7 +482,7 @@ class CacheStore:
             try:
                 with self._lock:
                     account = Account(self._data_bytes, self._complete_files,
-                                      self.admission.describe())
+                                      self.admission.describe(), self._trusted)
                 leave_clean_stop(self.layout, account, self.index.present)
             except OSError as exc:  # the next start reconciles, as after a crash
                 log.warning("cache %s: the record of this stop could not be written (%s)",
@@ -579,7 +609,7 @@ class CacheStore:
         ``version`` of a file of one chunk, found by its check mark (mark.py) without asking
         the index, when the store trusts it; None whenever the mark cannot tell (then ask the
         index: :meth:`local_file`).  The caller closes the descriptor."""
-        if not 0 < version.size <= CHUNK_BYTES \
+        if not 0 < version.size <= CHUNK_BYTES or not self._marks_alone \
                 or not (self._trusted or _key_hash(key) in self._verified):
             return None
         present = self.index.present
