@@ -51,12 +51,13 @@ COALESCED_COMMANDS = frozenset({b"OPEN", b"READ"})
 # ... but for a FETCH after FETCHes that each took less than this, the first of their
 # answers held for less than it too: a warm's of a fast remote (warm.py takes its answers in
 # rounds of 2 ms anyway).  Such a FETCH takes some 200 us, and a send per answer cost the
-# daemon 6 - 10 us of a fill's 200 (a warm of 100,000 files of 4 KiB, a local tree as the
-# remote: 4,847 - 4,956 files/s at 193 - 194 us of daemon CPU per file, against 4,678 - 4,792
-# at 199 - 203 answering each at once).  Answers of a remote with latency are sent as before,
-# each before the next FETCH; one FETCH that takes long after quick ones holds their answers
-# for as long, which costs the client nothing: the connection answers in order, so the
-# requests it would send in their place would wait behind that one anyway.
+# daemon 6 - 10 us of a fill's 200 (a warm of 100,000 files of 4 KiB from a cold disk, a
+# local tree as the remote, 3 runs in turns: 4,714 - 4,903 files/s at 196 - 202 us of daemon
+# CPU per file, against 4,553 - 4,735 at 200 - 209 answering each at once).  Answers of a
+# remote with latency are sent as before, each before the next FETCH; one FETCH that takes
+# long after quick ones holds their answers for as long, which costs the client nothing: the
+# connection answers in order, so the requests it would send in their place would wait
+# behind that one anyway.
 FETCH_ANSWERS_HELD_SECONDS = 0.002
 # Requests answered by no line (fire-and-forget).
 UNANSWERED_COMMANDS = frozenset({b"HINT"})
