@@ -416,14 +416,14 @@ def test_random_stress_of_store_against_a_model(open_store):
 def test_chunks_written_at_once_into_a_new_directory_all_land(tmp_path):
     """Writers racing to create the same fan-out directory all succeed."""
 
-    from cachefs.store.layout import CacheLayout
+    from cachefs.store.layout import CacheLayout, data_name
 
     layout = CacheLayout(tmp_path / "cache", CHUNK_BYTES)
     layout.prepare()
     by_dir: dict[str, list[bytes]] = {}
     for n in range(20_000):
         key = f"k{n}".encode()
-        by_dir.setdefault(layout.data_name(key)[:2], []).append(key)
+        by_dir.setdefault(data_name(key)[:2], []).append(key)
     groups = [keys[:8] for keys in by_dir.values() if len(keys) >= 8][:40]
     failures = []
 

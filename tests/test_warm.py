@@ -332,3 +332,106 @@ def test_warm_interrupted_says_so_in_one_line(tmp_path, source, remote, mount_ca
     (line,) = warm_lines(err)
     assert line.startswith("warm: interrupted after ") and line.endswith(
         " files; nothing to go on from"), line
+
+
+# -- reading ahead ---------------------------------------------------------------------------------
+
+def uncached(path: Path, nbytes: int | None = None) -> int:
+    """Bytes of the first ``nbytes`` of ``path`` (all of it) not in the page cache."""
+    from cachefs.remote.pagecache import uncached_bytes
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return uncached_bytes(fd, os.fstat(fd).st_size if nbytes is None else nbytes)
+    finally:
+        os.close(fd)
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(60)
+def test_the_reader_ahead_reads_in_what_a_fetch_would_copy_and_nothing_else(tmp_path):
+    """Paths go to a process of its own, in order: a regular file the caller may read is read
+    in, a large one only as far as READ_AHEAD_BYTES; a FIFO holds nothing up, and a symlink, a
+    file the caller may not read and one the cache holds (its check mark) are left alone."""
+    from cachefs.attr import Version
+    from cachefs.remote.readahead import READ_AHEAD_BYTES, ReadAhead
+    from cachefs.store.index import data_key
+    from cachefs.store.layout import data_name
+    from cachefs.store.mark import mark_checked
+
+    remote, data_dir = tmp_path / "remote", tmp_path / "data"
+    remote.mkdir()
+    sizes = {"wanted.bin": 64 << 10, "last.bin": 8 << 10, "large.bin": 4 * READ_AHEAD_BYTES,
+             "private.bin": 64 << 10, "cached.bin": 64 << 10, "target.bin": 64 << 10}
+    for name, size in sizes.items():
+        (remote / name).write_bytes(random.randbytes(size))
+    (remote / "private.bin").chmod(0o600)
+    (remote / "link").symlink_to("target.bin")
+    os.mkfifo(remote / "fifo")
+    st = (remote / "cached.bin").stat()
+    copy = data_dir / data_name(data_key(b"cached.bin", Version(st.st_size, st.st_mtime_ns)))
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes((remote / "cached.bin").read_bytes())
+    with open(copy, "rb") as f:
+        mark_checked(f.fileno(), Version(st.st_size, st.st_mtime_ns))
+    for name in sizes:
+        evict(remote / name)
+    if any(uncached(remote / name) != size for name, size in sizes.items()):
+        pytest.skip("this file system keeps the pages of clean files it was told to drop")
+
+    reader = ReadAhead(str(remote), str(data_dir))
+    try:
+        for name, uid in (("fifo", 0), ("link", 0), ("private.bin", 1000), ("cached.bin", 0),
+                          ("large.bin", 0), ("wanted.bin", 0), ("no-such.bin", 0)):
+            reader.submit(name, uid)
+        time.sleep(0.01)  # the batch goes out at the next path, once it waited this long
+        reader.submit("last.bin", 0)
+        pid = reader.figures()["pid"]
+        assert pid is not None
+        # In order: the last file read in, every earlier line was taken (the FIFO held
+        # nothing up).
+        wait_for(lambda: uncached(remote / "last.bin") == 0, what="last.bin read in")
+        assert uncached(remote / "wanted.bin") == 0
+        assert uncached(remote / "large.bin", READ_AHEAD_BYTES) == 0
+        assert uncached(remote / "large.bin") >= 2 * READ_AHEAD_BYTES
+        for name in ("private.bin", "cached.bin", "target.bin"):
+            assert uncached(remote / name) == sizes[name], name
+        assert reader.figures() == {"pid": pid, "sent": 8, "dropped": 0}
+    finally:
+        reader.close()
+    assert not Path(f"/proc/{pid}").exists()  # ended and reaped with its daemon's end
+    assert reader.figures()["pid"] is None
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, source,
+                                                                   mount_cachefs):
+    """A warm of a remote whose opens are fast sends its paths ahead of their fetches to the
+    daemon's reader-ahead, which ends with the daemon; the bytes are the remote's."""
+    rels = make_files(source, 600, size=(1, 20_000), per_dir=100)
+    mount = mount_cachefs(source, fraction=1.0)
+    result = subprocess.run(warm_command(mount, write_list(tmp_path / "list.txt", rels)),
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert ": 600 fetched" in result.stdout, result.stdout
+    status = wait_for(lambda: (st := mount.status())["warm_read_ahead"]["sent"] > 0 and st,
+                      what="paths sent ahead")
+    ahead = status["warm_read_ahead"]
+    # All but the first files opened (the remote counts as fast once most of a window of
+    # opens were), each sent once at most.
+    assert ahead["sent"] + ahead["dropped"] <= len(rels), ahead
+    assert ahead["pid"] is not None and Path(f"/proc/{ahead['pid']}").exists()
+    status_text = run_cachefs("status", str(mount.path)).stdout
+    assert f"{ahead['sent']:,} files sent ahead of their fetches" in status_text, status_text
+    for rel in rels[::37]:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
+    mount.stop()
+    wait_for(lambda: not Path(f"/proc/{ahead['pid']}").exists(), what="the reader-ahead ended")

@@ -7,7 +7,8 @@ socket, so a client needs nothing but the mount path::
 
 One request per line (``\\n``-terminated, at most MAX_LINE_BYTES); the command
 word, a space, then the argument as raw bytes (a path may hold any byte but NUL
-and newline).  ``HINT`` is fire-and-forget; the others get one JSON line back.
+and newline).  ``HINT`` and ``AHEAD`` are fire-and-forget; the others get one JSON line
+back.
 The README documents each command.
 
 Each connection gets a thread, up to MAX_CONNECTIONS; further connections are
@@ -60,7 +61,7 @@ COALESCED_COMMANDS = frozenset({b"OPEN", b"READ"})
 # behind that one anyway.
 FETCH_ANSWERS_HELD_SECONDS = 0.002
 # Requests answered by no line (fire-and-forget).
-UNANSWERED_COMMANDS = frozenset({b"HINT"})
+UNANSWERED_COMMANDS = frozenset({b"HINT", b"AHEAD"})
 # How often the socket's file is checked, and made again when it is gone.
 PATH_CHECK_SECONDS = 5.0
 BIND_ATTEMPTS = 3
@@ -254,7 +255,7 @@ class ControlServer:
                     if command not in COALESCED_COMMANDS \
                             and not (fetch and outbox.holds_quick_fetches_only()):
                         outbox.flush()  # this one may take long (a FETCH): answer the others
-                    began = time.monotonic()
+                    began = time.monotonic() if fetch else 0.0  # only a FETCH's time is asked
                     try:
                         reply = self._dispatch(peer, command, argument)
                     except Exception as exc:

@@ -53,6 +53,12 @@ ROUND_SECONDS = 0.002
 # The daemon answers a FETCH once the file is in the cache, bounded by its --remote-timeout.
 REPLY_TIMEOUT_SECONDS = 600.0
 PROGRESS_EVERY_SECONDS = 0.1
+# The list is read this many paths before they are fetched, each told to the daemon as it is
+# read (AHEAD), which starts the kernel reading the file where its fetch would copy it.
+AHEAD_PATHS = 2048
+# AHEAD lines not yet taken by the daemon, at most: advice that cannot be sent at once waits
+# this far, then is dropped, never holding the FETCHes up.
+AHEAD_PENDING_BYTES = 1 << 20
 MAX_ERRORS_SHOWN = 10
 
 
@@ -130,6 +136,66 @@ def _files_per_second_column():
     return FilesPerSecond()
 
 
+class _Ahead:
+    """The list read AHEAD_PATHS paths before its paths are fetched, each told to the daemon
+    as it is read, on a connection of its own that is never waited for: a line the daemon
+    has not taken waits (up to AHEAD_PENDING_BYTES), then is dropped.
+
+    Thread safety: used by one thread.
+    """
+
+    def __init__(self, paths: Iterator[bytes], target: str, lead: int = AHEAD_PATHS) -> None:
+        self._source = paths
+        self._lead = lead
+        self._queue: deque[bytes] = deque()
+        self._exhausted = False
+        self._pending = bytearray()
+        self._sock: socket.socket | None = None
+        try:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.connect(target)
+            self._sock.setblocking(False)
+        except OSError:
+            self.close()  # no advice then: the FETCHes alone, as slow as that is
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        while not self._exhausted and len(self._queue) <= self._lead:
+            path = next(self._source, None)
+            if path is None:
+                self._exhausted = True
+                break
+            self._queue.append(path)
+            line = b"AHEAD " + path + b"\n"
+            if self._sock is not None and len(self._pending) < AHEAD_PENDING_BYTES \
+                    and len(line) <= MAX_LINE_BYTES + 1 and b"\n" not in path:
+                self._pending += line
+        if not self._queue:
+            raise StopIteration
+        return self._queue.popleft()
+
+    def send(self) -> None:
+        """Send what the daemon's connection takes now of the lines read."""
+        if self._sock is None or not self._pending:
+            return
+        try:
+            sent = self._sock.send(self._pending)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.close()  # the daemon went away: the FETCHes will say so
+            return
+        del self._pending[:sent]
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._pending.clear()
+
+
 @dataclass
 class _OpenBlock:
     """A block of the list with paths read but not all answered."""
@@ -159,7 +225,7 @@ class _Warm:
 
     def __init__(self, target: str, paths: Iterator[bytes], done: Progress,
                  checkpoint: Checkpoint | None, connections: int) -> None:
-        self.paths = paths
+        self.paths = _Ahead(paths, target)
         self.done = done  # the blocks answered whole, from the start of the list
         self.checkpoint = checkpoint
         self.earlier = done.paths  # answered by an earlier warm
@@ -190,6 +256,7 @@ class _Warm:
         self._connections.append(conn)
 
     def close(self) -> None:
+        self.paths.close()
         self._selector.close()
         for conn in self._connections:
             conn.sock.close()
@@ -265,6 +332,7 @@ class _Warm:
                     continue
                 conn.inflight.append((number, path))
                 conn.outgoing.append(line)
+            self.paths.send()
             if conn.outgoing:
                 data = b"".join(conn.outgoing)
                 conn.outgoing.clear()

@@ -51,6 +51,7 @@ from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.pagecache import uncached_bytes
+from cachefs.remote.readahead import ReadAhead
 from cachefs.remote.remote import Remote
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
 
@@ -209,6 +210,7 @@ class Prefetcher:
         self._closed = False
         self._next_maintenance = 0.0
         self._concurrency = concurrency
+        self._reader_ahead = ReadAhead(remote.root, str(store.layout.data_dir))
         metrics.bind_gauge(metrics.prefetch_queued_files, lambda: len(self._queue))
         metrics.bind_gauge(metrics.prefetch_inflight_files, lambda: len(self._active))
         metrics.bind_gauge(metrics.staging_bytes, lambda: staging.used_bytes)
@@ -226,6 +228,11 @@ class Prefetcher:
             self._cond.notify_all()
             for turn in self._turns.values():
                 turn.set()
+        self._reader_ahead.close()
+
+    def read_ahead_figures(self) -> dict:
+        """The reader-ahead of warms (remote/readahead.py): its pid, paths sent, dropped."""
+        return self._reader_ahead.figures()
 
     # -- intake (control connections) ---------------------------------------------------
 
@@ -437,6 +444,21 @@ class Prefetcher:
         done = self._cached(key, attr)
         return {"ok": True, "result": "fetched" if done else "cache_full",
                 "bytes": attr.size if done else 0}
+
+    def read_ahead(self, raw: bytes, caller: Caller | None) -> None:
+        """Have a file a warm will FETCH soon (AHEAD) read in ahead of it, where that fetch
+        would copy it (remote/readahead.py).  Advice: a path that names nothing to fetch is
+        left to its FETCH to report."""
+        if self.remote.opens_slow:
+            # One open at a time would fall behind the warm's fetches at once.  (A warm's
+            # first paths come before its fetches have timed the remote's opens.)
+            return
+        try:
+            relpath = normalize(raw, self.mountpoint)
+        except NotInTree:
+            return
+        if self.store.admitting and self.store.admission.eligible(relpath):
+            self._reader_ahead.submit(relpath, caller.uid if caller is not None else 0)
 
     # -- workers ------------------------------------------------------------------------
 

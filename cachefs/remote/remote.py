@@ -106,6 +106,12 @@ class Remote:
         """Whether opening a remote file takes no round trip (see FAST_OPEN_SECONDS)."""
         return self._open_times.fast
 
+    @property
+    def opens_slow(self) -> bool:
+        """Whether opening a remote file is known to take a round trip: not fast, and more
+        than half of a window of opens timed (before that, neither is known)."""
+        return self._open_times.slow
+
     # -- the one way to call the remote ----------------------------------------------------
 
     def call(self, fn: Callable[..., T], *args) -> T:
@@ -205,6 +211,16 @@ class Remote:
         self._open_times.add(time.monotonic() - began)
         return fd
 
+    def read_ahead(self, relpath: str, expected: Version, nbytes: int) -> None:
+        """Have the kernel start reading the first ``nbytes`` of the remote file (version
+        ``expected``) into its page cache, and return at once: the copy that comes for it
+        soon finds its pages read, or in flight."""
+        fd = self.open_file(relpath, expected)
+        try:
+            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
     def locate_file(self, relpath: str, expected: Version) -> int:
         """An O_PATH descriptor of the remote file (a path walk, no NFS OPEN: nothing to
         read with, but enough for the kernel to open the very file, as passthrough does),
@@ -230,12 +246,15 @@ class OpenTimes:
         self._times = [float("inf")] * OPEN_TIMES_WINDOW
         self._next = 0
         self.fast = False
+        self.slow = False  # more than half of a window timed, and not fast: known slow
 
     def add(self, seconds: float) -> None:
         slot = self._next
         self._next = (slot + 1) % OPEN_TIMES_WINDOW
         self._times[slot] = seconds
-        self.fast = sorted(self._times)[OPEN_TIMES_WINDOW // 2] < FAST_OPEN_SECONDS
+        median = sorted(self._times)[OPEN_TIMES_WINDOW // 2]
+        self.fast = median < FAST_OPEN_SECONDS
+        self.slow = FAST_OPEN_SECONDS <= median < float("inf")
 
 
 class RemoteFile:

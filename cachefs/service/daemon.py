@@ -229,6 +229,7 @@ class Daemon:
                 control_path,
                 {b"STATUS": self._status_request, b"PING": self._ping_request,
                  b"HINT": self._hint_request, b"FETCH": self._fetch_request,
+                 b"AHEAD": self._ahead_request,
                  b"READ": self._read_request, b"OPEN": self._open_request,
                  b"HANDOVER": self._handover_request,
                  b"RELINQUISH": self._relinquish_request},
@@ -430,6 +431,8 @@ class Daemon:
                 "under_way": self.remote_files.fills_under_way if self.remote_files else 0,
                 "processes": self.remote_files.fill_processes if self.remote_files else [],
             },
+            "warm_read_ahead": self.prefetcher.read_ahead_figures() if self.prefetcher
+            else {"pid": None, "sent": 0, "dropped": 0},
             "cluster": self._cluster_status(),
         }
 
@@ -490,6 +493,9 @@ class Daemon:
 
     def _hint_request(self, peer: Peer, argument: bytes) -> None:
         self.prefetcher.hint(argument, _caller(peer))
+
+    def _ahead_request(self, peer: Peer, argument: bytes) -> None:
+        self.prefetcher.read_ahead(argument, _caller(peer))
 
     def _fetch_request(self, peer: Peer, argument: bytes) -> Reply:
         answer = self.prefetcher.fetch_now(argument, _caller(peer))

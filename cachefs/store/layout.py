@@ -86,6 +86,12 @@ def disk_full(path: Path) -> bool:
     return st.f_bavail == 0 or (st.f_files > 0 and st.f_favail == 0)
 
 
+def data_name(key: bytes) -> str:
+    """``ab/cdef...``: a 128-bit hash of the data key, fanned out over 256 directories."""
+    digest = xxhash.xxh3_128_hexdigest(key)
+    return f"{digest[:2]}/{digest[2:]}"
+
+
 def allocated_bytes(st: os.stat_result) -> int:
     """Bytes a file written whole (no holes) occupies on disk, as du counts them once the
     file system has allocated it."""
@@ -273,13 +279,8 @@ class CacheLayout:
 
     # -- data files ----------------------------------------------------------------------
 
-    def data_name(self, key: bytes) -> str:
-        """``ab/cdef...``: a 128-bit hash of the data key, fanned out over 256 directories."""
-        digest = xxhash.xxh3_128_hexdigest(key)
-        return f"{digest[:2]}/{digest[2:]}"
-
     def data_path(self, key: bytes) -> str:
-        return self._data_prefix + self.data_name(key)
+        return self._data_prefix + data_name(key)
 
     def write_whole(self, key: bytes, data: bytes | memoryview, version: Version) -> int:
         """Store ``data``, hashed, as the whole data file of ``version``, marked (mark.py)
@@ -447,7 +448,7 @@ class CacheLayout:
 
     def fan_dir_bytes_of(self, key: bytes) -> tuple[str, int]:
         """(fan-out directory name, its bytes) for the directory holding ``key``'s data."""
-        fan = self.data_name(key)[:2]
+        fan = data_name(key)[:2]
         return fan, self.fan_bytes(fan)
 
     def fan_bytes(self, fan: str) -> int:
@@ -465,7 +466,7 @@ class CacheLayout:
         return removed
 
     def iter_data_files(self) -> Iterator[tuple[str, int]]:
-        """(name as :meth:`data_name` gives it, bytes held on the disk) of every data file."""
+        """(name as :func:`data_name` gives it, bytes held on the disk) of every data file."""
         for fan in os.scandir(self.data_dir):
             if not fan.is_dir(follow_symlinks=False):
                 continue

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cachefs.store.index import CacheIndex, chunk_key, data_key, database_path, split_key
-from cachefs.store.layout import CacheLayout
+from cachefs.store.layout import CacheLayout, data_name
 from cachefs.store.presence import KeyFilter
 
 if TYPE_CHECKING:
@@ -264,7 +264,7 @@ def reconcile(store: CacheStore, *, fix: bool, verify_data: bool
             count = -(-record.attr.size // layout.chunk_bytes) or 1
             numbers = ([0] if record.stored_chunks else []) if count == 1 \
                 else chunks_by_file.pop(key, [])
-            name = layout.data_name(data_key(key, record.version))
+            name = data_name(data_key(key, record.version))
             healthy = True
             if len(numbers) != record.stored_chunks or any(n >= count for n in numbers):
                 report.miscounted_files += 1
