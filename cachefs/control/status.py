@@ -143,8 +143,8 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                                  f"{prefetch['inflight']:,} in flight"))
     read_ahead = st.get("warm_read_ahead")
     if read_ahead and (read_ahead["sent"] or read_ahead["dropped"]):
-        rows.append(("warm read-ahead", f"{read_ahead['sent']:,} files sent ahead of their fetches, "
-                                        f"{read_ahead['dropped']:,} dropped"))
+        rows.append(("warm read-ahead", f"{read_ahead['sent']:,} files sent ahead of their "
+                                        f"fetches, {read_ahead['dropped']:,} dropped"))
     serving = st.get("serving")
     if serving and serving["restarts"]:
         rows.append(("restarts", _restarts(st, serving)))

@@ -106,12 +106,6 @@ class Remote:
         """Whether opening a remote file takes no round trip (see FAST_OPEN_SECONDS)."""
         return self._open_times.fast
 
-    @property
-    def opens_slow(self) -> bool:
-        """Whether opening a remote file is known to take a round trip: not fast, and more
-        than half of a window of opens timed (before that, neither is known)."""
-        return self._open_times.slow
-
     # -- the one way to call the remote ----------------------------------------------------
 
     def call(self, fn: Callable[..., T], *args) -> T:
@@ -246,15 +240,12 @@ class OpenTimes:
         self._times = [float("inf")] * OPEN_TIMES_WINDOW
         self._next = 0
         self.fast = False
-        self.slow = False  # more than half of a window timed, and not fast: known slow
 
     def add(self, seconds: float) -> None:
         slot = self._next
         self._next = (slot + 1) % OPEN_TIMES_WINDOW
         self._times[slot] = seconds
-        median = sorted(self._times)[OPEN_TIMES_WINDOW // 2]
-        self.fast = median < FAST_OPEN_SECONDS
-        self.slow = FAST_OPEN_SECONDS <= median < float("inf")
+        self.fast = sorted(self._times)[OPEN_TIMES_WINDOW // 2] < FAST_OPEN_SECONDS
 
 
 class RemoteFile:
