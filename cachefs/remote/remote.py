@@ -205,16 +205,6 @@ class Remote:
         self._open_times.add(time.monotonic() - began)
         return fd
 
-    def read_ahead(self, relpath: str, expected: Version, nbytes: int) -> None:
-        """Have the kernel start reading the first ``nbytes`` of the remote file (version
-        ``expected``) into its page cache, and return at once: the copy that comes for it
-        soon finds its pages read, or in flight."""
-        fd = self.open_file(relpath, expected)
-        try:
-            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
     def locate_file(self, relpath: str, expected: Version) -> int:
         """An O_PATH descriptor of the remote file (a path walk, no NFS OPEN: nothing to
         read with, but enough for the kernel to open the very file, as passthrough does),
