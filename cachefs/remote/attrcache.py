@@ -286,6 +286,13 @@ class AttrCache:
                 self._walked.put(directory, walked)
                 return
             self._walked.pop(directory, None)
+            if not self._may_list_locked():
+                # Declined now, not on the lister's thread: while listings do not pay (a
+                # shuffled pass over more names than are remembered), nearly every walked
+                # directory is declined, and a thread started for each decision cost one
+                # thread per 30 files read (200,000 cached files, 8 readers).
+                self._declined.put(directory, now)
+                return
             self._to_list[directory] = None
             if self._lister_running:
                 return
@@ -319,12 +326,16 @@ class AttrCache:
 
     # -- whether background listings pay ---------------------------------------------------
 
-    def _listings_pay_locked(self) -> bool:
-        """Whether a walked directory is listed now: while listings pay, and otherwise once
+    def _may_list_locked(self) -> bool:
+        """Whether a walked directory is to be listed: while listings pay, and otherwise once
         the names looked up one by one since the last listing outnumber the names it brought
         (each directory is decided on once per interval)."""
-        if not self.listings_pay \
-                and self._lookups_since_listing < self._last_listing_names:
+        return self.listings_pay or self._lookups_since_listing >= self._last_listing_names
+
+    def _listings_pay_locked(self) -> bool:
+        """The same, asked again as the lister takes the directory (the tally is newer
+        then); a yes starts the count of lookups to the next probe."""
+        if not self._may_list_locked():
             return False
         self._lookups_since_listing = 0
         return True
