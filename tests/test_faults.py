@@ -494,9 +494,12 @@ def test_cached_files_removed_behind_its_back_leave_the_account(source, remote, 
     assert mount.metric("cachefs_integrity_failures_total") == len(rels)
     wait_for(lambda: mount.metric("cachefs_cache_files") == len(rels), timeout=30)
     assert shuffled_read_all(mount.path, rels, seed=3, drop_pages=True) == want
-    # The index's own size is measured now and then: a few of its pages may be uncounted.
+    # The index's own size is measured at fills, at most every INDEX_MEASURE_SECONDS, and its
+    # write-ahead log grows after the last fill's measure as its flusher writes the records
+    # (72 KiB once, in a run of the data-path suite): up to 128 KiB may be uncounted, a
+    # twelfth of what the removed files held.
     counted, on_disk = mount.metric("cachefs_cache_bytes"), disk_usage(mount.cache_dir)
-    assert abs(counted - on_disk) < 64 * 1024, (counted, on_disk)
+    assert abs(counted - on_disk) < 128 * 1024, (counted, on_disk)
 
 
 # -- the daemon dies ------------------------------------------------------------------------------
