@@ -19,12 +19,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import alternating, fastremote, filerate, machine, report, targets
+from bench import alternating, fastremote, filerate, firstepoch, machine, report, targets
 from bench import dataset as dataset_mod
 from bench.emulator import slowfs
 from bench.emulator.remote import EmulatedRemote
 from bench.measure import measure_variant
 from bench.settings import RunSettings, build_parser, settings_from_args
+from bench.variants import PEER_FRACTION
 from cachefs.service.process import alive
 
 
@@ -119,7 +120,8 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
                      "source": source,
                      "dataset": {"name": data.spec.name(), "examples": len(data.examples),
                                  "files": len(data.files), "bytes": data.total_bytes},
-                     "variants": [], "alternating": None, "files_per_second": None,
+                     "variants": [], "alternating": None, "first_epochs": None,
+                     "files_per_second": None,
                      "fast_remote": None}
     log(f"dataset {data.spec.name()}: {len(data.examples)} examples, "
         f"{data.total_bytes / 2**20:.0f} MiB; pace {settings.pace:.0f} samples/s "
@@ -138,6 +140,11 @@ def run(settings: RunSettings, log: Callable[[str], None] = _log) -> dict:
                 log(f"cachefs-f1-hints and local, {settings.share_rounds} unpaced epochs each "
                     "in turns:")
                 results["alternating"] = alternating.measure(data, remote, settings, run_dir,
+                                                             log)
+            if settings.first_rounds and data.spec.kind == dataset_mod.KIND_IMAGES:
+                log(f"the remote directly and cachefs-f{PEER_FRACTION:g} on an empty cache, "
+                    f"{settings.first_rounds} first epochs each in turns:")
+                results["first_epochs"] = firstepoch.measure(data, remote, settings, run_dir,
                                                              log)
             if fps_data is not None:
                 log(f"files/s of {settings.fps_files} files of 64 KiB, warm cache, "

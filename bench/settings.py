@@ -33,6 +33,9 @@ class RunSettings:
     profile: str
     fps_files: int  # 64 KiB files for the files/s measurement; 0 skips it
     share_rounds: int  # epochs each of f = 1 with hints and the local copy, in turns; 0 skips
+    # first epochs each of the remote directly and of cachefs on an empty cache, in turns
+    # (bench/firstepoch.py); 0 skips them
+    first_rounds: int
     # 64 KiB files for the misses against a fast remote (bench/fastremote.py); 0 skips them
     fast_files: int
     fast_rounds: int
@@ -77,17 +80,19 @@ PRESETS = {
     # About 10-15 minutes on 2 cores: enough files that an epoch lasts seconds at the pace.
     "full": dict(examples=3000, epochs=3, unpaced_epochs=2, workers=8, batch=V100_BATCH,
                  pace=V100_PACE, profile="efs", fps_files=3000, share_rounds=10,
-                 fast_files=4000, fast_rounds=3, out_dir=BENCH_DIR / "results"),
+                 first_rounds=6, fast_files=4000, fast_rounds=3, out_dir=BENCH_DIR / "results"),
     # The CI smoke run: every variant, two epochs (the second is the steady state), small.
     "quick": dict(examples=320, epochs=2, unpaced_epochs=0, workers=4, batch=32,
                   pace=V100_PACE, profile="efs", fps_files=200, share_rounds=1,
-                  fast_files=200, fast_rounds=1, out_dir=BENCH_DIR / "results" / "quick"),
+                  first_rounds=1, fast_files=200, fast_rounds=1,
+                  out_dir=BENCH_DIR / "results" / "quick"),
     # The README's first command, about a minute: the remote directly, then cachefs keeping a
     # fifth of the files with hints, and all of them read through the mount and through the
     # client. The first epoch fills the cache; the second runs flat out.
     "demo": dict(examples=1500, epochs=1, unpaced_epochs=1, workers=8, batch=64,
                  pace=V100_PACE, profile="efs", fps_files=0, share_rounds=0,
-                 fast_files=0, fast_rounds=0, out_dir=BENCH_DIR / "results" / "demo",
+                 first_rounds=0, fast_files=0, fast_rounds=0,
+                 out_dir=BENCH_DIR / "results" / "demo",
                  variant_names="direct,cachefs-f0.2-hints,cachefs-f1,cachefs-f1-hints"),
 }
 
@@ -168,6 +173,9 @@ def build_parser(prog: str, description: str, *, quick_flag: bool) -> argparse.A
     p.add_argument("--share-rounds", type=count_arg, help="unpaced epochs each of cachefs at "
                    "f = 1 with hints and of the local copy, taken in turns, for the "
                    "share-of-local target (0 skips it)")
+    p.add_argument("--first-rounds", type=count_arg, help="first epochs each of the remote "
+                   "read directly and of cachefs at f = 0.2 on an empty cache, taken in turns, "
+                   "for the first-epoch target (0 skips them)")
     p.add_argument("--seed", type=count_arg, help="seed of the dataset and of the shuffling")
     p.add_argument("--out", type=Path, help="directory for the results")
     p.add_argument("--work-dir", type=Path, help="where datasets are generated and kept "
@@ -185,6 +193,7 @@ def settings_from_args(parser: argparse.ArgumentParser, argv: list[str] | None,
               "shards": "shards", "epochs": "epochs", "unpaced_epochs": "unpaced_epochs",
               "workers": "workers", "batch": "batch", "pace": "pace", "profile": "profile",
               "fps_files": "fps_files", "share_rounds": "share_rounds", "seed": "seed",
+              "first_rounds": "first_rounds",
               "fast_files": "fast_files",
               "bandwidth_mbps": "bandwidth_mbps",
               "out": "out_dir", "work_dir": "work_dir", "variants": "variant_names"}

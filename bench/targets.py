@@ -325,10 +325,19 @@ def _files_per_second_verdict(results: dict) -> list[dict]:
 
 def _first_epoch_verdict(results: dict) -> list[dict]:
     """The filling epoch against the remote read directly (both mostly below the pace, so the
-    paced epochs compare what each can deliver)."""
+    paced epochs compare what each can deliver): judged on the first epochs taken in turns
+    (bench/firstepoch.py) when the run has them; the variants' own epochs, minutes apart, are
+    a fallback."""
     variants = _by_name(results)
     name = f"cachefs-f{PEER_FRACTION:g}"
     target = f"first epoch (filling) >= {FIRST_EPOCH_OF_DIRECT:g}x direct"
+    turns = results.get("first_epochs")
+    if turns and not turns.get("error") and turns["rounds"]:
+        ratios = [r["ratio"] for r in turns["rounds"]]
+        return [_verdict(target, turns["ratio"] >= FIRST_EPOCH_OF_DIRECT,
+                         f"{turns['ratio']:.2f}x (median of {len(ratios)} "
+                         f"pair{'s' * (len(ratios) != 1)} of first epochs in turns, "
+                         f"{min(ratios):.2f} - {max(ratios):.2f}x)", name)]
     ours, direct = variants.get(name), variants.get("direct")
     firsts = [e for e in (ours or {}).get("epochs", []) if e["epoch"] == 1]
     theirs = [e["samples_per_second"] for e in (direct or {}).get("epochs", []) if e["paced"]]

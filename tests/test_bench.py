@@ -94,6 +94,11 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
     assert turns["error"] is None and len(turns["rounds"]) == 1
     assert turns["rounds"][0]["hit_ratio"] == 1.0 and turns["rounds"][0]["remote_bytes"] == 0
     assert "(median of 1 pair of epochs in turns" in table
+    # The plain first epoch and the remote directly, in turns, cachefs on an empty cache.
+    firsts = result["first_epochs"]
+    assert firsts["error"] is None and len(firsts["rounds"]) == 1
+    assert firsts["rounds"][0]["direct"] > 0 and firsts["rounds"][0]["cachefs"] > 0
+    assert "(median of 1 pair of first epochs in turns" in table
     assert result["files_per_second"]["error"] is None
     # The misses against a fast remote: every round has each path, judged in the same round.
     fast = result["fast_remote"]
