@@ -146,8 +146,12 @@ class Metrics:
         self.attr_listing_used_ratio = Gauge(
             "cachefs_attr_listing_used_ratio", "Share of the names listed in the background "
             "(directories looked up name by name) looked up while remembered, recent ones "
-            "weighing more; below 0.5 such listings mostly stop (NaN: none counted yet)",
-            registry=r)
+            "weighing more; below cachefs_attr_listing_pays_ratio such listings mostly stop "
+            "(NaN: none counted yet)", registry=r)
+        self.attr_listing_pays_ratio = Gauge(
+            "cachefs_attr_listing_pays_ratio", "Share of a background listing's names that must "
+            "be looked up for it to pay: what a name listed costs against a name looked up on "
+            "the remote on its own, both measured", registry=r)
         self.held_files = Gauge(
             "cachefs_held_files", "Cached files kept registered with the kernel between opens "
             "(bounded by cachefs_held_files_max)", registry=r)

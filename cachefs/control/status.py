@@ -116,8 +116,10 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
             listed = "directories walked name by name listed" \
                 if memory.get("attr_listings_pay", True) \
                 else "a walked directory listed only now and then, to see whether they pay"
+            pays = memory.get("attr_listing_pays_share")
+            above = f" (they pay above {pays:.0%})" if pays is not None else ""
             rows.append(("listings", f"{used:.0%} of the names listed in the background were "
-                                     f"used: {listed}"))
+                                     f"used{above}: {listed}"))
     verification = st.get("verification")
     if verification:
         rows.append(("verified", _verification(verification)))

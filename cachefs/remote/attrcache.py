@@ -55,13 +55,19 @@ LISTING_SLICE = 4096
 # 1/20 of its names' lookups would (5 us of CPU a name against 100 and a round trip).
 LIST_AFTER_LOOKUPS = 8
 LISTED_NAMES_MAX = 4096
-# A listing pays only when the names it brings are looked up while remembered: a name
-# listed costs about what its lookup on the remote would have (an lstat each; the listing
-# saves the round trip), so with fewer than half of them used the background listings cost
-# more than they save.  That is a dataset of more names than --attr-cache-entries read in a
-# random order (a million files: listing a directory after its eighth lookup brought 1,000
+# A listing pays only when the names it brings are looked up while remembered, enough of
+# them to outweigh what listing the others cost.  What a name listed costs against a name
+# looked up on its own depends on the remote, so both are measured (ListingCosts): on a
+# local disk a listing stats each name as a lookup would and saves only the Python around
+# it (about half of a lookup's time); on NFS a listing's names come with their attributes
+# (READDIRPLUS), a few round trips per thousand names, where each lookup is a round trip
+# (on the EFS-like remote, a pass over 20,000 cached files outlasting --revalidate 1:
+# 8,370 - 8,551 files/s at 100 us of daemon CPU per file listing its directories, 5,132 -
+# 5,185 at 143 - 145 declining them below half of their names used).  A share under that
+# ratio is a dataset of more names than --attr-cache-entries read in a random order (a
+# million files on a local disk: listing a directory after its eighth lookup brought 1,000
 # names a pass used a fifth of, 26 % of the daemon's time in a steady pass), or a pass over
-# a sample of the files.  Below that share a walked directory is still listed now and then,
+# a sample of the files.  Below it a walked directory is still listed now and then,
 # to see whether listings pay again (a pass over a smaller set, say): once as many names
 # were looked up one by one since the last listing as that listing brought.  Probes so cost
 # at most a name listed per name looked up, a twentieth of what the lookups cost, whatever
@@ -69,7 +75,16 @@ LISTED_NAMES_MAX = 4096
 # one in 16 walked directories instead cost 2 names listed per lookup where every directory
 # of 1,000 names is walked each interval (300,000 files in 300 directories, --revalidate 2),
 # and came only as often as directories were decided on (once per directory and interval).
+# Until both costs are measured, half the names must be used; measured, the share is kept
+# within these bounds (a listing whose names go nearly all unused never pays).
 LISTING_PAYS_SHARE = 0.5
+LISTING_PAYS_SHARE_MIN, LISTING_PAYS_SHARE_MAX = 0.02, 0.9
+# Weights of the newest sample in the costs' moving averages, over about as many names as
+# the tally's least (LISTING_TALLY_MIN): lookups one name each, listings a thousand or so.
+# A lookup is a round trip or, where the remote's client has the attributes still (NFS's
+# actimeo), a few microseconds: the average spans both.
+LOOKUP_COST_WEIGHT = 1 / 4096
+LISTING_COST_WEIGHT = 1 / 16
 # Listed names counted (used, or dropped or due unused) before the share is trusted, and at
 # most: beyond that both counts are halved, so the share follows what the passes do now.
 LISTING_TALLY_MIN = 4096
@@ -94,6 +109,45 @@ class RecentDirectories(dict):
         """Whether ``directory``'s time is less than ``ttl`` old (``None``: for ever)."""
         when = self.get(directory)
         return when is not None and (ttl is None or now - when < ttl)
+
+
+class ListingCosts:
+    """Seconds (wall time: a reader waits for a lookup whatever keeps it, a round trip or
+    the disk) a name costs looked up on the remote on its own and listed in the background,
+    as moving averages; the share of a listing's names that must be used for it to pay.
+
+    Thread safety: updated by any thread without a lock; a lost update only delays the
+    average by a sample."""
+
+    def __init__(self) -> None:
+        self.lookup_seconds: float | None = None
+        self.listed_name_seconds: float | None = None
+        self._lookups = self._listings = 0
+
+    def count_lookup(self, seconds: float) -> None:
+        self._lookups += 1
+        self.lookup_seconds = _averaged(self.lookup_seconds, seconds,
+                                        max(LOOKUP_COST_WEIGHT, 1 / self._lookups))
+
+    def count_listing(self, seconds: float, names: int) -> None:
+        if names:
+            self._listings += 1
+            self.listed_name_seconds = _averaged(self.listed_name_seconds, seconds / names,
+                                                 max(LISTING_COST_WEIGHT, 1 / self._listings))
+
+    @property
+    def pays_share(self) -> float:
+        """A listing pays when more than this share of its names are used: a name listed
+        costs this share of a name looked up."""
+        lookup, listed = self.lookup_seconds, self.listed_name_seconds
+        if not lookup or listed is None:
+            return LISTING_PAYS_SHARE
+        return min(LISTING_PAYS_SHARE_MAX, max(LISTING_PAYS_SHARE_MIN, listed / lookup))
+
+
+def _averaged(average: float | None, sample: float, weight: float) -> float:
+    """The moving average with ``sample`` in; the plain mean of the first 1 / weight."""
+    return sample if average is None else average + (sample - average) * weight
 
 
 class AttrCache:
@@ -140,6 +194,7 @@ class AttrCache:
         # directory -> when its background listing was declined (not listed again by its
         # walk within the interval either: one decision per directory and interval).
         self._declined = RecentDirectories(max_entries)
+        self.costs = ListingCosts()
 
     def get(self, relpath: str) -> Attr:
         """The file's attributes, fetched from the remote when older than the interval."""
@@ -167,7 +222,9 @@ class AttrCache:
                     return _unpack(raw)[0]
             self._count_walk(directory, now)
         try:
+            asked = time.monotonic()
             attr = self._remote.lstat(relpath)
+            self.costs.count_lookup(time.monotonic() - asked)
         except FileNotFoundError:
             self.forget(relpath)
             raise
@@ -229,6 +286,8 @@ class AttrCache:
             self._walked.pop(relpath, None)
             if tallied:
                 self._last_listing_names = len(listing)
+        if tallied:
+            self.costs.count_listing(time.monotonic() - started, len(listing))
         return [(name, kind) for name, kind, _ in listing]
 
     def refresh_directory_of(self, relpath: str) -> bool:
@@ -359,10 +418,11 @@ class AttrCache:
 
     @property
     def listings_pay(self) -> bool:
-        """Whether at least LISTING_PAYS_SHARE of the names background listings brought were
-        used (or too few were counted yet to say)."""
+        """Whether enough of the names background listings brought were used to pay for
+        listing the others (``costs.pays_share``; or too few were counted yet to say)."""
         used, unused = self._listed_used, self._listed_unused
-        return used + unused < LISTING_TALLY_MIN or used >= LISTING_PAYS_SHARE * (used + unused)
+        return used + unused < LISTING_TALLY_MIN \
+            or used >= self.costs.pays_share * (used + unused)
 
     @property
     def listing_used_share(self) -> float | None:

@@ -188,6 +188,7 @@ class Daemon:
             m.attr_cache_capacity_entries.set(s.attr_cache_entries)
             m.bind_gauge(m.attr_listing_used_ratio,
                          lambda: math.nan if (share := attrs.listing_used_share) is None else share)
+            m.bind_gauge(m.attr_listing_pays_ratio, lambda: attrs.costs.pays_share)
             origin = RemoteOrigin(self.remote)
             if members is not None:
                 own_remote_bytes = functools.partial(m.value, "cachefs_remote_read_bytes_total")
@@ -462,6 +463,7 @@ class Daemon:
             "attr_cache_capacity_entries": attrs.max_entries if attrs else 0,
             "attr_listing_used_share": attrs.listing_used_share if attrs else None,
             "attr_listings_pay": attrs.listings_pay if attrs else True,
+            "attr_listing_pays_share": attrs.costs.pays_share if attrs else None,
             "held_files": self.fs.held_files if self.fs else 0,
             "held_files_max": self.fs.max_held_files if self.fs else 0,
             "staging_bytes_max": self.staging.capacity_bytes if self.staging else 0,
