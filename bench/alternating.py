@@ -11,9 +11,10 @@ median of the pairs' ratios. The first round only starts the workers and is not 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bench import counters
@@ -39,9 +40,7 @@ def _config(root: Path, dataset: Dataset, settings: RunSettings, *, hints: bool)
 def measure(dataset: Dataset, remote: EmulatedRemote, settings: RunSettings, run_dir: Path,
             log: Callable[[str], None]) -> dict:
     result: dict = {"rounds": [], "share": None, "error": None}
-    work = run_dir / "alternating"
-    shutil.rmtree(work, ignore_errors=True)
-    try:
+    with measured_apart(result, run_dir / "alternating", "in turns", log) as work:
         budget = cache_budget(1.0, dataset)
         with cache_disk(work, budget, len(dataset.files)) as disk, \
                 CachefsMount(remote_path(remote, dataset), work / "mnt", disk / "cache",
@@ -59,21 +58,41 @@ def measure(dataset: Dataset, remote: EmulatedRemote, settings: RunSettings, run
                            timeout) as local, \
                     ChildLoop(_config(mount.path, dataset, settings, hints=True),
                               ours_snapshot, timeout) as ours:
-                for number in range(settings.share_rounds + 1):
-                    turns = (local, ours) if number % 2 == 0 else (ours, local)
-                    epochs = {loop: loop.run_epoch() for loop in turns}
-                    if number == 0:
-                        continue  # the workers started during this round
-                    result["rounds"].append(_round(epochs[local], epochs[ours]))
+                for number, theirs, mine in in_turns(local, ours, settings.share_rounds,
+                                                     ChildLoop.run_epoch):
+                    result["rounds"].append(_round(theirs, mine))
                     log(f"  round {number}: local {result['rounds'][-1]['local']:.0f}, "
                         f"cachefs f=1 hints {result['rounds'][-1]['cachefs']:.0f} samples/s")
         result["share"] = statistics.median(r["share"] for r in result["rounds"])
+    return result
+
+
+def in_turns(first: ChildLoop, second: ChildLoop, rounds: int,
+             run: Callable[[ChildLoop], dict]) -> Iterator[tuple[int, dict, dict]]:
+    """``rounds`` rounds of an epoch of each gated loop (``run(loop)``), the order swapped
+    every round: (its number, ``first``'s epoch, ``second``'s) of each.  A round before them
+    only starts the workers and is not counted."""
+    for number in range(rounds + 1):
+        turns = (first, second) if number % 2 == 0 else (second, first)
+        epochs = {loop: run(loop) for loop in turns}
+        if number:
+            yield number, epochs[first], epochs[second]
+
+
+@contextlib.contextmanager
+def measured_apart(result: dict, work: Path, what: str,
+                   log: Callable[[str], None]) -> Iterator[Path]:
+    """A measurement of its own in the empty directory ``work``, removed after; its failure
+    is the one line in ``result["error"]``, not the run's end."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        yield work
     except (LoopFailed, MountError, OSError, RuntimeError) as exc:
         result["error"] = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        log(f"  in turns: FAILED: {result['error']}")
+        log(f"  {what}: FAILED: {result['error']}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return result
 
 
 def _round(local: dict, ours: dict) -> dict:

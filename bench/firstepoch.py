@@ -13,16 +13,16 @@ is the median of the rounds'.  The first round only starts the workers and is no
 
 from __future__ import annotations
 
-import shutil
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.alternating import in_turns, measured_apart
 from bench.dataset import Dataset
-from bench.driver import ChildLoop, LoopConfig, LoopFailed
+from bench.driver import ChildLoop, LoopConfig
 from bench.emulator.remote import EmulatedRemote
 from bench.measure import cache_budget, cache_disk, remote_path
-from bench.mounts import CachefsMount, MountError
+from bench.mounts import CachefsMount
 from bench.settings import RunSettings
 from bench.variants import PEER_FRACTION
 
@@ -38,46 +38,36 @@ def _config(root: Path, dataset: Dataset, settings: RunSettings) -> LoopConfig:
 def measure(dataset: Dataset, remote: EmulatedRemote, settings: RunSettings, run_dir: Path,
             log: Callable[[str], None]) -> dict:
     result: dict = {"fraction": PEER_FRACTION, "rounds": [], "ratio": None, "error": None}
-    work = run_dir / "first-epochs"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    source = remote_path(remote, dataset)
-    budget = cache_budget(PEER_FRACTION, dataset)
-    log_file = settings.out_dir / "logs" / "first-epochs.log"
-
-    def through_cachefs(loop: ChildLoop) -> dict:
-        """One epoch of ``loop`` through a mount of a fresh cache, unmounted after."""
-        with cache_disk(work, budget, len(dataset.files)) as disk, \
-                CachefsMount(source, work / "mnt", disk / "cache", cache_size_bytes=budget,
-                             fraction=PEER_FRACTION, log_file=log_file):
-            return loop.run_epoch()
-
-    try:
+    with measured_apart(result, run_dir / "first-epochs", "first epochs in turns", log) as work:
+        source = remote_path(remote, dataset)
+        budget = cache_budget(PEER_FRACTION, dataset)
+        log_file = settings.out_dir / "logs" / "first-epochs.log"
         (work / "mnt").mkdir()
         timeout = settings.variant_timeout_s
         with ChildLoop(_config(source, dataset, settings), dict, timeout) as direct, \
                 ChildLoop(_config(work / "mnt", dataset, settings), dict, timeout) as ours:
-            for number in range(settings.first_rounds + 1):
-                turns = ((direct, ours) if number % 2 == 0 else (ours, direct))
-                epochs = {loop: through_cachefs(loop) if loop is ours else loop.run_epoch()
-                          for loop in turns}
-                if epochs[ours]["bytes_read"] != epochs[direct]["bytes_read"]:
-                    raise RuntimeError(f"an epoch through cachefs read "
-                                       f"{epochs[ours]['bytes_read']} bytes, directly "
-                                       f"{epochs[direct]['bytes_read']}")
-                if number == 0:
-                    continue  # the workers started during this round
-                rates = {"direct": epochs[direct]["samples_per_second"],
-                         "cachefs": epochs[ours]["samples_per_second"]}
+
+            def epoch(loop: ChildLoop) -> dict:
+                """An epoch of ``loop``: through cachefs, a mount of a fresh cache, unmounted
+                after."""
+                if loop is not ours:
+                    return loop.run_epoch()
+                with cache_disk(work, budget, len(dataset.files)) as disk, \
+                        CachefsMount(source, work / "mnt", disk / "cache",
+                                     cache_size_bytes=budget, fraction=PEER_FRACTION,
+                                     log_file=log_file):
+                    return loop.run_epoch()
+
+            for number, theirs, mine in in_turns(direct, ours, settings.first_rounds, epoch):
+                if mine["bytes_read"] != theirs["bytes_read"]:
+                    raise RuntimeError(f"an epoch through cachefs read {mine['bytes_read']} "
+                                       f"bytes, directly {theirs['bytes_read']}")
+                rates = {"direct": theirs["samples_per_second"],
+                         "cachefs": mine["samples_per_second"]}
                 rates["ratio"] = rates["cachefs"] / rates["direct"]
                 result["rounds"].append(rates)
                 log(f"  round {number}: the remote directly {rates['direct']:.0f}, cachefs "
                     f"f={PEER_FRACTION:g} {rates['cachefs']:.0f} samples/s "
                     f"({rates['ratio']:.2f}x)")
         result["ratio"] = statistics.median(r["ratio"] for r in result["rounds"])
-    except (LoopFailed, MountError, OSError, RuntimeError) as exc:
-        result["error"] = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        log(f"  first epochs in turns: FAILED: {result['error']}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return result

@@ -263,13 +263,10 @@ def _fast_path_verdict(results: dict) -> list[dict]:
     variants' own unpaced epochs, minutes apart, are a fallback."""
     name = "cachefs-f1-hints"
     target = f"samples/s >= {SHARE_OF_LOCAL:.0%} of local"
-    turns = results.get("alternating")
-    if turns and not turns.get("error") and turns["rounds"]:
-        shares = [r["share"] for r in turns["rounds"]]
-        return [_verdict(target, turns["share"] >= SHARE_OF_LOCAL,
-                         f"{turns['share']:.0%} (median of {len(shares)} "
-                         f"pair{'s' * (len(shares) != 1)} of epochs in turns, "
-                         f"{min(shares):.0%} - {max(shares):.0%})", name)]
+    turns = _in_turns_verdict(target, name, results.get("alternating"), "share",
+                              SHARE_OF_LOCAL, "epochs", "{:.0%}")
+    if turns:
+        return turns
     variants = _by_name(results)
     ours, how = _speed(variants.get(name))
     local, _ = _speed(variants.get(LOCAL))
@@ -323,6 +320,19 @@ def _files_per_second_verdict(results: dict) -> list[dict]:
                      f"{ours['cold']:,} (local copy {local['cold']:,})", "cachefs-f1")]
 
 
+def _in_turns_verdict(target: str, name: str, turns: dict | None, key: str, least: float,
+                      what: str, form: str) -> list[dict]:
+    """The verdict on the median ``key`` of rounds taken in turns (at least ``least``), with
+    their range; none when the run has no such rounds."""
+    if not turns or turns.get("error") or not turns["rounds"]:
+        return []
+    values = [r[key] for r in turns["rounds"]]
+    pairs = f"pair{'s' * (len(values) != 1)}"
+    return [_verdict(target, turns[key] >= least,
+                     f"{form.format(turns[key])} (median of {len(values)} {pairs} of {what} in "
+                     f"turns, {form.format(min(values))} - {form.format(max(values))})", name)]
+
+
 def _first_epoch_verdict(results: dict) -> list[dict]:
     """The filling epoch against the remote read directly (both mostly below the pace, so the
     paced epochs compare what each can deliver): judged on the first epochs taken in turns
@@ -331,13 +341,10 @@ def _first_epoch_verdict(results: dict) -> list[dict]:
     variants = _by_name(results)
     name = f"cachefs-f{PEER_FRACTION:g}"
     target = f"first epoch (filling) >= {FIRST_EPOCH_OF_DIRECT:g}x direct"
-    turns = results.get("first_epochs")
-    if turns and not turns.get("error") and turns["rounds"]:
-        ratios = [r["ratio"] for r in turns["rounds"]]
-        return [_verdict(target, turns["ratio"] >= FIRST_EPOCH_OF_DIRECT,
-                         f"{turns['ratio']:.2f}x (median of {len(ratios)} "
-                         f"pair{'s' * (len(ratios) != 1)} of first epochs in turns, "
-                         f"{min(ratios):.2f} - {max(ratios):.2f}x)", name)]
+    turns = _in_turns_verdict(target, name, results.get("first_epochs"), "ratio",
+                              FIRST_EPOCH_OF_DIRECT, "first epochs", "{:.2f}x")
+    if turns:
+        return turns
     ours, direct = variants.get(name), variants.get("direct")
     firsts = [e for e in (ours or {}).get("epochs", []) if e["epoch"] == 1]
     theirs = [e["samples_per_second"] for e in (direct or {}).get("epochs", []) if e["paced"]]
