@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench import counters
 from bench.dataset import Dataset
-from bench.driver import ChildLoop, LoopConfig, LoopFailed
+from bench.driver import ChildLoop, LoopConfig, LoopFailed, first_line
 from bench.emulator.remote import EmulatedRemote
 from bench.filerate import read_pass
 from bench.measure import cache_budget, cache_disk, remote_path
@@ -89,7 +89,7 @@ def measured_apart(result: dict, work: Path, what: str,
     try:
         yield work
     except (LoopFailed, MountError, OSError, RuntimeError) as exc:
-        result["error"] = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        result["error"] = first_line(exc)
         log(f"  {what}: FAILED: {result['error']}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

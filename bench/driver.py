@@ -290,6 +290,12 @@ class LoopFailed(RuntimeError):
     """The training loop of a variant failed or hung; the message has the child's traceback."""
 
 
+def first_line(exc: BaseException) -> str:
+    """What a measurement that failed with ``exc`` reports: its message's first line."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else repr(exc)
+
+
 class ChildLoop:
     """:func:`run_loop` in a fresh process, answering its snapshot requests; a context manager
     that stops the process however the block ends."""

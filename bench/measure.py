@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench import counters
 from bench.dataset import Dataset
-from bench.driver import LoopConfig, LoopFailed, run_in_child
+from bench.driver import LoopConfig, LoopFailed, first_line, run_in_child
 from bench.emulator.remote import EmulatedRemote
 from bench.mounts import CachefsMount, MountError, RcloneMount, ScratchDisk
 from bench.settings import RunSettings
@@ -95,7 +95,7 @@ def measure_variant(variant: Variant, dataset: Dataset, remote: EmulatedRemote,
 
             result["epochs"] = run_in_child(config, snapshot, show, settings.variant_timeout_s)
     except (LoopFailed, MountError, OSError, RuntimeError) as exc:
-        result["error"] = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        result["error"] = first_line(exc)
         result["error_detail"] = str(exc)
         log(f"  {variant.name}: FAILED: {result['error']}")
     finally:

@@ -101,6 +101,17 @@ def test_held_files_pushed_out_while_open_are_closed_by_their_last_reader(
         assert sum(path.startswith(data) for path in open_files) == held
 
 
+def walk_directory(mount, names: list[str]) -> None:
+    """Each of ``names`` (files of 1 byte) looked up and stat'ed in turn, with a pause after
+    the one whose lookup has its directory decided on in the background, to let it be."""
+    from cachefs.remote.attrcache import LIST_AFTER_LOOKUPS
+
+    for number, name in enumerate(names, 1):
+        assert os.lstat(mount.path / name).st_size == 1
+        if number == LIST_AFTER_LOOKUPS:
+            time.sleep(0.2)
+
+
 def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
         source, remote, mount_cachefs):
     """A directory looked up name by name is listed in the background, so that its other
@@ -144,10 +155,7 @@ def test_directories_are_no_longer_listed_when_their_names_are_dropped_unused(
     # listed; and so on: every other one.  Listing all would list 10, one in 16 none or one.
     before = dict(remote.stats()["ops"])
     for names in later_dirs:
-        for number, name in enumerate(names):
-            assert os.lstat(mount.path / name).st_size == 1
-            if number == 7:  # the directory is decided on in the background: let it be
-                time.sleep(0.2)
+        walk_directory(mount, names)
     listings = remote.stats()["ops"].get("readdir", 0) - before.get("readdir", 0)
     assert listings == later // 2, listings
     assert not mount.status()["memory"]["attr_listings_pay"]
@@ -169,15 +177,9 @@ def test_where_lookups_are_round_trips_a_listing_pays_with_a_fifth_of_its_names_
     # not use is dropped, and counted unused.
     mount = mount_cachefs(remote.path, attr_cache_entries=1000, revalidate=600)
 
-    def walk(names: list[str]) -> None:
-        for number, name in enumerate(names[:read]):
-            assert os.lstat(mount.path / name).st_size == 1
-            if number == 7:  # the directory is decided on in the background: let it be
-                time.sleep(0.2)
-
     by_dir = [rels[d * per_dir:(d + 1) * per_dir] for d in range(directories + later)]
     for names in by_dir[:directories]:
-        walk(names)
+        walk_directory(mount, names[:read])
     memory = mount.status()["memory"]
     assert 0.15 <= memory["attr_listing_used_share"] <= 0.3, memory
     pays = memory["attr_listing_pays_share"]
@@ -191,7 +193,7 @@ def test_where_lookups_are_round_trips_a_listing_pays_with_a_fifth_of_its_names_
     # listing's names used, whatever the remote, 2 of these 10 were.
     before = dict(remote.stats()["ops"])
     for names in by_dir[directories:]:
-        walk(names)
+        walk_directory(mount, names[:read])
     listings = remote.stats()["ops"].get("readdir", 0) - before.get("readdir", 0)
     assert listings == later, listings
 

@@ -80,8 +80,9 @@ LISTED_NAMES_MAX = 4096
 # within these bounds (a listing whose names go nearly all unused never pays).
 LISTING_PAYS_SHARE = 0.5
 LISTING_PAYS_SHARE_MIN, LISTING_PAYS_SHARE_MAX = 0.02, 0.9
-# Weights of the newest sample in the costs' moving averages, over about as many names as
-# the tally's least (LISTING_TALLY_MIN): lookups one name each, listings a thousand or so.
+# Weights of the newest sample in the costs' moving averages: lookups over about as many
+# names as the tally's least (LISTING_TALLY_MIN), listings over the last 16 or so (16,000
+# names of directories of 1,000).
 # A lookup is a round trip or, where the remote's client has the attributes still (NFS's
 # actimeo), a few microseconds: the average spans both.
 LOOKUP_COST_WEIGHT = 1 / 4096
