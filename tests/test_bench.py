@@ -74,12 +74,17 @@ def test_quick_run_writes_sane_results(tmp_path: Path) -> None:
         assert empty["cachefs_hit_opens"] == 0
         # Nothing is kept: without hints every epoch reads the whole dataset from the remote.
         # With hints some of epoch 2's files are fetched at the end of epoch 1, and a file
-        # read late in epoch 1 and early in epoch 2 may be fetched once for both reads.
+        # read late in epoch 1 and early in epoch 2 may be fetched once for both reads (all
+        # 320 of them were, once): over the two epochs the remote sends the dataset at least
+        # once, and the daemon's count, which judges from the page cache what a hand-over
+        # fetches (remote/pagecache.py), is within the 2 % of the benchmark's own target.
         if not hints:
             assert empty["cachefs_remote_bytes"] >= dataset_bytes
         else:
-            assert sum(_epoch(result, "cachefs-f0-hints", n)["counters"]
-                       ["cachefs_remote_bytes"] for n in (1, 2)) >= dataset_bytes
+            both = [_epoch(result, "cachefs-f0-hints", n)["counters"] for n in (1, 2)]
+            sent = sum(c["remote_bytes"] for c in both)
+            assert sent >= dataset_bytes
+            assert sum(c["cachefs_remote_bytes"] for c in both) == pytest.approx(sent, rel=0.02)
     assert _epoch(result, "direct", 2)["counters"]["remote_bytes"] == dataset_bytes
 
     table = (out / "latest.md").read_text()
