@@ -56,7 +56,6 @@ import os
 import resource
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,6 +66,7 @@ from cachefs.errors import errno_for
 from cachefs.kernel import protocol as p
 from cachefs.kernel.session import Connection, Request, Session
 from cachefs.mirror import handles as h
+from cachefs.mirror.held import HeldFiles
 from cachefs.mirror.nodes import ROOT_ID, NodeInfo, NodeTable
 from cachefs.mirror.tree import CachedTree, Located, is_control_entry
 
@@ -209,43 +209,6 @@ class HeldFile(NamedTuple):
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >> 63 else value
-
-
-class HeldFiles:
-    """Cache files kept registered across opens, by :func:`held_key`, each as a
-    ``HeldFile.packed()``, the least recently opened first out.  Thread safety: the caller
-    holds ``MirrorFS._lock``."""
-
-    def __init__(self, max_files: int) -> None:
-        self.max_files = max_files
-        # In order of use, the least recent first.  An OrderedDict, not a dict: taking a
-        # dict's first key walks past every entry deleted since it last grew, tens of
-        # microseconds per open once tens of thousands have been pushed out.
-        self._files: OrderedDict[int, int] = OrderedDict()
-
-    def get_locked(self, key: int) -> int | None:
-        packed = self._files.get(key)
-        if packed is not None:
-            self._files.move_to_end(key)
-        return packed
-
-    def holds_locked(self, key: int, packed: int) -> bool:
-        return self._files.get(key) == packed
-
-    def put_locked(self, key: int, packed: int) -> list[tuple[int, int]]:
-        """Keep ``packed``; the (key, entry) pairs pushed out, the caller's to close."""
-        old = self._files.pop(key, None)
-        self._files[key] = packed
-        out = [(key, old)] if old is not None else []
-        while len(self._files) > self.max_files:
-            out.append(self._files.popitem(last=False))
-        return out
-
-    def drop_locked(self, key: int) -> int | None:
-        return self._files.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._files)
 
 
 def _unpacked(packed: int | None) -> HeldFile | None:
@@ -648,23 +611,30 @@ class MirrorFS:
         except OSError:
             os.close(fd)
             raise
-        if located.kind != "cache":
-            return Backing(fd, backing_id, (located.result, located.source),
-                           readable=located.readable)
-        # A cache file, whatever brought it (a miss, a prefetch), is a hit from now on, kept
-        # registered.  The kernel keeps it open itself: we need no descriptor of it.
-        os.close(fd)
-        return self._hold(key, backing_id, -1, located.checked_as)
+        if located.kind == "cache":
+            # A cache file, whatever brought it (a miss, a prefetch), is a hit from now on,
+            # kept registered where the held files have room.  The kernel keeps it open
+            # itself: we need no descriptor of it.
+            held = self._hold(key, backing_id, -1, located.checked_as)
+            if held is not None:
+                os.close(fd)
+                return held
+        return Backing(fd, backing_id, (located.result, located.source),
+                       readable=located.readable)
 
     def _hold(self, key: int, backing_id: int, fd: int, checked_as: tuple[int, int, int]
-              ) -> Backing:
-        """Keep a cache file across opens (registered, ``backing_id``, or open, ``fd``); the
-        least recently opened ones pushed out are closed, unless opens use them."""
+              ) -> Backing | None:
+        """Keep a cache file across opens (registered, ``backing_id``, or open, ``fd``);
+        those it pushes out (held.py) are closed, unless opens use them.  None when the held
+        files have no room for it: the caller's open uses it alone."""
         with self._lock:
+            room = self._held.room_locked(key)
+            if room is None:
+                return None
             record = self.records.add_locked(0, backing_id, h.HELD) if backing_id else 0
             held = HeldFile(backing_id, fd, record, checked_as)
             packed = held.packed()
-            out = self._push_out_locked(self._held.put_locked(key, packed))
+            out = self._push_out_locked(room + self._held.put_locked(key, packed))
         for gone in out:
             self._close_backing(gone)
         return Backing.held_file(key, packed, held)
@@ -749,8 +719,9 @@ class MirrorFS:
             backing = Backing.held_file(key, held, unpacked)
         elif located.kind == "chunks":
             return self._serve(node, located)
-        elif located.kind == "cache":
-            backing = self._hold(key, 0, located.fd, located.checked_as)
+        elif located.kind == "cache" and (
+                held_now := self._hold(key, 0, located.fd, located.checked_as)) is not None:
+            backing = held_now
         else:
             backing = Backing(located.fd, 0, (located.result, located.source),
                               readable=located.readable)
