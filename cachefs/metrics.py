@@ -155,6 +155,9 @@ class Metrics:
         self.held_files = Gauge(
             "cachefs_held_files", "Cached files kept registered with the kernel between opens "
             "(bounded by cachefs_held_files_max)", registry=r)
+        self.held_file_opens = Counter(
+            "cachefs_held_file_opens", "Opens of cached files found held (cachefs_held_files): "
+            "no open of the cache file, no registration with the kernel", registry=r)
         self.held_files_max = Gauge(
             "cachefs_held_files_max", "--held-files, or the default sized from the memory the "
             "daemon may use", registry=r)

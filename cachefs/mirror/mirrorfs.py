@@ -250,6 +250,7 @@ class MirrorFS:
         self._open_seconds = metrics.open_seconds
         self._served_reads = metrics.served_reads
         self._lookups = metrics.lookups
+        self._held_opens = metrics.held_file_opens
         self.session: Session | None = None
         self.passthrough = False
         self._lock = threading.Lock()
@@ -602,6 +603,7 @@ class MirrorFS:
                      unpacked: HeldFile | None) -> Backing | None:
         """The backing file for ``located``; None when it has no single local file."""
         if located.kind == "held":
+            self._held_opens.inc()
             return Backing.held_file(key, held, unpacked)
         if located.kind == "chunks":
             return None
@@ -611,16 +613,17 @@ class MirrorFS:
         except OSError:
             os.close(fd)
             raise
-        if located.kind == "cache":
-            # A cache file, whatever brought it (a miss, a prefetch), is a hit from now on,
-            # kept registered where the held files have room.  The kernel keeps it open
-            # itself: we need no descriptor of it.
-            held = self._hold(key, backing_id, -1, located.checked_as)
-            if held is not None:
-                os.close(fd)
-                return held
-        return Backing(fd, backing_id, (located.result, located.source),
-                       readable=located.readable)
+        if located.kind != "cache":
+            return Backing(fd, backing_id, (located.result, located.source),
+                           readable=located.readable)
+        # A cache file, whatever brought it (a miss, a prefetch), is a hit from now on, kept
+        # registered where the held files have room, else for this open alone.  The kernel
+        # keeps it open itself: we need no descriptor of it.
+        os.close(fd)
+        held = self._hold(key, backing_id, -1, located.checked_as)
+        if held is not None:
+            return held
+        return Backing(-1, backing_id, (located.result, located.source), readable=False)
 
     def _hold(self, key: int, backing_id: int, fd: int, checked_as: tuple[int, int, int]
               ) -> Backing | None:
@@ -716,6 +719,7 @@ class MirrorFS:
         unpacked = _unpacked(held)
         located = self.tree.locate(node.relpath, attr, held=_checked_as(unpacked))
         if located.kind == "held":
+            self._held_opens.inc()
             backing = Backing.held_file(key, held, unpacked)
         elif located.kind == "chunks":
             return self._serve(node, located)

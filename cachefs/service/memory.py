@@ -1,6 +1,6 @@
 """How much memory the daemon may count on, and the bounds sized from it.
 
-A held file (mirrorfs.HeldFiles: a cache file kept registered with the kernel between opens)
+A held file (mirror/held.py: a cache file kept registered with the kernel between opens)
 saves each open of it a registration, an index query and an open of the cache file: at
 100,000 cached files read each pass, 178 - 245 us of daemon CPU per file with all of them
 held against 472 - 518 us with 65,536 held.  What it costs is memory, most of it the kernel's (an
