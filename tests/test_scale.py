@@ -65,9 +65,9 @@ def test_a_tree_larger_than_every_bound_is_read_twice_with_the_right_bytes(
 def test_a_stable_set_of_files_stays_held_across_shuffled_epochs(
         source, remote, mount_cachefs):
     """Past the bound, the files held are the first to come, not the most recently opened.
-    Read in a new random order each epoch, the most recently opened would be pushed out
-    before their turn came again (some 4 of 500 opens an epoch finding their file held);
-    the first 64 are found held every epoch."""
+    Read in a new random order each epoch, the most recently opened were pushed out before
+    their turn came again (6 of the 500 opens of an epoch found their file held); the first
+    64 are found held every epoch."""
     files = make_tree(source, directories=1)  # 500 files
     mount = mount_cachefs(remote.path, held_files=64, fraction=1.0)
     names = sorted(files)
