@@ -212,16 +212,19 @@ def test_the_scale_run_prints_every_row_and_leaves_no_mount(tmp_path: Path) -> N
     assert big["warm"]["files_per_second"] > 0 and big["warm"]["client_peak_rss_bytes"] > 0
     assert big["rss_after_warm_bytes"] > big["rss_empty_bytes"] > 0
     assert all(p["files_per_second"] > 0 for p in big["passes"]["steady"])
-    # ... and again with the bounds covering every file (a mount of its own).
-    assert len(big["passes"]["steady_covered"]) == 1 and big["rss_covered_bytes"] > 0
-    assert all(p["files_per_second"] > 0 for p in big["passes"]["steady_covered"])
+    # ... and again with the held files, then both bounds, covering every file (a mount
+    # of its own each).
+    for variant in ("held_covered", "covered"):
+        assert len(big["passes"][f"steady_{variant}"]) == 1 and big[f"rss_{variant}_bytes"] > 0
+        assert all(p["files_per_second"] > 0 for p in big["passes"][f"steady_{variant}"])
+    assert "`--held-files` covering every file" in table
     # ... and what the daemon's garbage collector took of each pass, read from its metrics.
     assert all(p["gc_us_per_file"] >= 0 for p in big["passes"]["steady"])
     assert "of it in garbage collection" in table
     assert big["mount_after_kill_seconds"] > 0 and big["status_request_seconds"] > 0
     # The verdicts are computed, each target judged.
     verdicts = result["verdicts"]
-    assert len(verdicts) == 15 and all(v["met"] in (True, False) for v in verdicts)
+    assert len(verdicts) == 16 and all(v["met"] in (True, False) for v in verdicts)
     assert "projected linearly to 1,000,000 from 10,000" in table
     for verdict in verdicts:
         assert verdict["target"] in run.stdout
