@@ -389,10 +389,10 @@ def measure_big(run: Run, tree: Tree) -> dict:
         # 200,000 on any machine).  The same passes with the held files covering every file,
         # as their default does on a node of 128 GiB or more, then with both bounds covering
         # every file, tell what each bound costs from what grows with the files.
-        for variant, seed, bounds in (("held_covered", 250, covering_bounds(tree)[:2]),
-                                      ("covered", 260, covering_bounds(tree))):
-            log(f"steady reads with {' and '.join(bounds[::2])} covering every file")
-            with run.mount(tree, "cache", extra_args=bounds) as mount:
+        for number, (variant, flags) in enumerate(scale_report.COVERING_VARIANTS):
+            seed = 250 + 10 * number
+            log(f"steady reads with {' and '.join(flags)} covering every file")
+            with run.mount(tree, "cache", extra_args=covering_bounds(tree, flags)) as mount:
                 read_pass(readers, mount.path, tree, seed, mount)  # every file registered
                 out["passes"][f"steady_{variant}"] = [
                     read_pass(readers, mount.path, tree, seed + 1 + r, mount)
@@ -403,11 +403,11 @@ def measure_big(run: Run, tree: Tree) -> dict:
     return out
 
 
-def covering_bounds(tree: Tree) -> tuple[str, ...]:
-    """Mount flags under which every file of ``tree`` stays held and its attributes stay
-    remembered."""
+def covering_bounds(tree: Tree, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """Mount arguments setting each of ``flags`` (--held-files, --attr-cache-entries) to a
+    bound that covers every file of ``tree``."""
     bound = str(max(tree.files, 1000))
-    return ("--held-files", bound, "--attr-cache-entries", bound)
+    return tuple(arg for flag in flags for arg in (flag, bound))
 
 
 def measure_small(run: Run, tree: Tree) -> dict:

@@ -28,9 +28,9 @@ MAX_STATUS_SECONDS = 0.5
 WALK_FIRST_OF_TREE = 4.0
 WALK_AGAIN_OF_TREE = 2.0
 # The steady passes with bounds covering every file (bench/scale.py): the results' key
-# (steady_<key>, rss_<key>_bytes) and the flags.
-COVERING_VARIANTS = (("held_covered", "--held-files"),
-                     ("covered", "--held-files and --attr-cache-entries"))
+# (steady_<key>, rss_<key>_bytes) and the flags set to the number of files.
+COVERING_VARIANTS = (("held_covered", ("--held-files",)),
+                     ("covered", ("--held-files", "--attr-cache-entries")))
 
 
 def _mean(values: list[float]) -> float:
@@ -62,11 +62,6 @@ def _span(values: list[float], fmt: str = ",.0f") -> str:
 
 def _mib(value: float | None) -> str:
     return "—" if value is None else f"{value / MIB:,.0f} MiB"
-
-
-def _code(flags: str) -> str:
-    """``--a and --b`` as markdown code: `--a` and `--b`."""
-    return " and ".join(f"`{flag}`" for flag in flags.split(" and "))
 
 
 def _s(value: float | None) -> str:
@@ -190,7 +185,8 @@ def verdicts(results: dict) -> list[dict]:
             covered = big["passes"].get(f"steady_{variant}")
             if covered:
                 share = _mean(_rates(covered)) / baseline
-                out.append(_verdict(f"the same, {flags} covering the {files:,} files",
+                out.append(_verdict(f"the same, {' and '.join(flags)} covering the {files:,} "
+                                    "files",
                                     share >= 1.0, f"{share:.0%}"))
     return out
 
@@ -237,7 +233,8 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
     for variant, flags in COVERING_VARIANTS:
         covered = passes.get(f"steady_{variant}")
         if covered:
-            out.append((f"the same, {_code(flags)} covering every file",
+            named = " and ".join(f"`{flag}`" for flag in flags)
+            out.append((f"the same, {named} covering every file",
                         f"{_span(_rates(covered))} files/s, {_span(_cpus(covered))} us per "
                         f"file; daemon RSS {_mib(big[f'rss_{variant}_bytes'])}", ""))
     small = results.get("small")
