@@ -52,7 +52,7 @@ from bench.counters import gc_seconds
 from bench.datapath import cpu_seconds, start_reader
 from bench.driver import drop_page_cache
 from bench.emulator import slowfs
-from bench.emulator.remote import process_rss_bytes
+from bench.emulator.remote import process_rss_bytes, process_tree_cpu_split
 from bench.mounts import REPO, CachefsMount, ScratchDisk, _cli_env
 from bench.peakrss import run_with_peak_rss
 from bench.run import measure_this_tree, measured
@@ -296,13 +296,16 @@ def mount_warm_flags(mount: CachefsMount) -> list[str]:
 def read_pass(readers: Readers, root: Path, tree: Tree, seed: int,
               mount: CachefsMount | None = None) -> dict:
     """One pass over every file; through ``mount``, with the daemon's CPU per file and the
-    part of it its garbage collector took."""
+    parts of it the kernel and its garbage collector took."""
     if mount:
-        cpu_before, gc_before = cpu_seconds(mount.pid), gc_seconds(mount.metrics_text())
+        (cpu_before, system_before), gc_before = (process_tree_cpu_split(mount.pid),
+                                                  gc_seconds(mount.metrics_text()))
     seconds = readers.read_pass(root, seed=seed, expect_bytes=tree.data_bytes)
     out = {"files_per_second": tree.files / seconds}
     if mount:
-        out["daemon_cpu_us_per_file"] = (cpu_seconds(mount.pid) - cpu_before) / tree.files * 1e6
+        cpu_after, system_after = process_tree_cpu_split(mount.pid)
+        out["daemon_cpu_us_per_file"] = (cpu_after - cpu_before) / tree.files * 1e6
+        out["daemon_system_us_per_file"] = (system_after - system_before) / tree.files * 1e6
         gc_after = gc_seconds(mount.metrics_text())
         if gc_before is not None and gc_after is not None:
             out["gc_us_per_file"] = (gc_after - gc_before) / tree.files * 1e6

@@ -45,11 +45,18 @@ def _cpus(passes: list[dict]) -> list[float]:
     return [p["daemon_cpu_us_per_file"] for p in passes if "daemon_cpu_us_per_file" in p]
 
 
-def _collected(passes: list[dict]) -> str:
-    """The garbage collector's share of the daemon's CPU per file, where the daemon exports
-    it."""
+def _parts(passes: list[dict]) -> str:
+    """What of the daemon's CPU per file the kernel took (its system calls and what they do)
+    and its garbage collector, where the results and the daemon tell."""
+    parts = []
+    system = [p["daemon_system_us_per_file"] for p in passes if "daemon_system_us_per_file" in p]
+    if system:
+        parts.append(f"{_span(system)} us of it in the kernel")
     spent = [p["gc_us_per_file"] for p in passes if "gc_us_per_file" in p]
-    return f" ({_span(spent, ',.1f')} us of it in garbage collection)" if spent else ""
+    if spent:
+        parts.append(f"{_span(spent, ',.1f')} us{'' if system else ' of it'} in garbage "
+                     "collection")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _span(values: list[float], fmt: str = ",.0f") -> str:
@@ -227,7 +234,7 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
          f"files/s, {passes['after_warm']['daemon_cpu_us_per_file']:,.0f} us per file", ""),
         ("steady read pass through the mount",
          f"{_span(steady)} files/s = {_span([100 * s for s in share])} % of local, "
-         f"{_span(_cpus(passes['steady']))} us per file{_collected(passes['steady'])}",
+         f"{_span(_cpus(passes['steady']))} us per file{_parts(passes['steady'])}",
          f"{_span(local_rates)} files/s"),
     ]
     for variant, flags in COVERING_VARIANTS:
@@ -236,20 +243,21 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
             named = " and ".join(f"`{flag}`" for flag in flags)
             out.append((f"the same, {named} covering every file",
                         f"{_span(_rates(covered))} files/s, {_span(_cpus(covered))} us per "
-                        f"file; daemon RSS {_mib(big[f'rss_{variant}_bytes'])}", ""))
+                        f"file{_parts(covered)}; daemon RSS "
+                        f"{_mib(big[f'rss_{variant}_bytes'])}", ""))
     small = results.get("small")
     if small:
         out.append((f"steady read pass at {settings['small_files']:,} files",
                     f"{_span(_rates(small['steady']))} files/s, "
                     f"{_span(_cpus(small['steady']))} us per file"
-                    f"{_collected(small['steady'])}",
+                    f"{_parts(small['steady'])}",
                     f"{_span(_rates(small['local']))} files/s"))
         revalidated = small.get("steady_revalidated")
         if revalidated:
             out.append((f"the same, every file revalidated (as a pass of {files:,} files "
                         f"outlasting --revalidate {DEFAULT_REVALIDATE_SECONDS:.0f} s does)",
                         f"{_span(_rates(revalidated))} files/s, "
-                        f"{_span(_cpus(revalidated))} us per file", ""))
+                        f"{_span(_cpus(revalidated))} us per file{_parts(revalidated)}", ""))
     tree = local["walks"]
     out += [
         ("`cachefs status` / `cachefs unmount` (the cache full)",

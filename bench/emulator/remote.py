@@ -195,13 +195,29 @@ def process_tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process pid and every process it started (a daemon's
     fill processes): the live ones from their own /proc/PID/stat, the ended ones from the
     parent's account of its waited-for children (cutime and cstime)."""
-    total = sum(_cpu_ticks(pid)) / os.sysconf("SC_CLK_TCK")
+    return process_tree_cpu_split(pid)[0]
+
+
+def process_tree_cpu_split(pid: int) -> tuple[float, float]:
+    """process_tree_cpu_seconds, and the part of it spent in the kernel (stime and cstime):
+    the system calls, and the work the kernel does in their name (a passthrough
+    registration, the path walk of an open, a disk read it waits on).  One reading of each
+    process, so the part is never more than the whole."""
+    total, system = _tree_ticks(pid)
+    hz = os.sysconf("SC_CLK_TCK")
+    return total / hz, system / hz
+
+
+def _tree_ticks(pid: int) -> tuple[int, int]:
+    utime, stime, cutime, cstime = _cpu_ticks(pid)
+    total, system = utime + stime + cutime + cstime, stime + cstime
     for child in _children(pid):
         try:
-            total += process_tree_cpu_seconds(child)
+            child_total, child_system = _tree_ticks(child)
         except OSError:  # ended meanwhile: counted once waited for
-            pass
-    return total
+            continue
+        total, system = total + child_total, system + child_system
+    return total, system
 
 
 def process_rss_bytes(pid: int) -> int | None:
