@@ -119,7 +119,7 @@ class HeldFiles:
         else:
             if self._count + 1 > MAX_LOAD * self._slots:
                 self._grow()
-            slot = self._free_slot(key)
+            slot = self._probe(key)  # an empty slot: the key is not held
             self._keys[slot] = key
             self._count += 1
         self._opened[slot] = self._now()
@@ -180,18 +180,15 @@ class HeldFiles:
                               "little")
 
     def _find(self, key: int) -> int:
+        """The slot holding ``key``; -1 when it is not held."""
+        slot = self._probe(key)
+        return slot if self._opened[slot] else -1
+
+    def _probe(self, key: int) -> int:
+        """The slot holding ``key``, else the empty slot its probe ends at."""
         keys, opened, slots = self._keys, self._opened, self._slots
         slot = (key & _HOME_BITS) % slots
-        while opened[slot]:
-            if keys[slot] == key:
-                return slot
-            slot = (slot + 1) % slots
-        return -1
-
-    def _free_slot(self, key: int) -> int:
-        opened, slots = self._opened, self._slots
-        slot = (key & _HOME_BITS) % slots
-        while opened[slot]:
+        while opened[slot] and keys[slot] != key:
             slot = (slot + 1) % slots
         return slot
 
@@ -205,8 +202,7 @@ class HeldFiles:
             home = (keys[slot] & _HOME_BITS) % slots
             if (slot - home) % slots >= (slot - hole) % slots:
                 keys[hole], opened[hole] = keys[slot], opened[slot]
-                entries[hole * ENTRY_BYTES:(hole + 1) * ENTRY_BYTES] = \
-                    entries[slot * ENTRY_BYTES:(slot + 1) * ENTRY_BYTES]
+                _copy_entry(entries, hole, entries, slot)
                 hole = slot
             slot = (slot + 1) % slots
         keys[hole] = opened[hole] = 0
@@ -214,15 +210,22 @@ class HeldFiles:
     def _grow(self) -> None:
         keys, opened, entries = self._keys, self._opened, self._entries
         bound = _slots_for(self.max_files)
+        # Doubled, to no more slots than the bound needs; past them only when the table has
+        # them already: a lowered bound's excess, held for the moment before put_locked
+        # pushes it out.
         self._allocate(min(2 * self._slots, bound) if bound > self._slots else 2 * self._slots)
         for old, at in enumerate(opened):
             if at:
-                slot = self._free_slot(keys[old])
+                slot = self._probe(keys[old])  # an empty slot: the keys are distinct
                 self._keys[slot], self._opened[slot] = keys[old], at
-                self._entries[slot * ENTRY_BYTES:(slot + 1) * ENTRY_BYTES] = \
-                    entries[old * ENTRY_BYTES:(old + 1) * ENTRY_BYTES]
+                _copy_entry(self._entries, slot, entries, old)
         # The slots moved: the hand's round begins again.
         self._hand = self._swept = self._oldest_swept = 0
+
+
+def _copy_entry(into: bytearray, slot: int, source: bytearray, source_slot: int) -> None:
+    into[slot * ENTRY_BYTES:(slot + 1) * ENTRY_BYTES] = \
+        source[source_slot * ENTRY_BYTES:(source_slot + 1) * ENTRY_BYTES]
 
 
 def _slots_for(files: int) -> int:
