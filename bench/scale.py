@@ -1,12 +1,13 @@
 """bench.scale: what cachefs costs as the dataset grows: memory, start time, warm-up,
 listings and reads, per file, with N files.
 
-    python3 -m bench.scale              # 1,000,000 files of 4 KiB: about 40 minutes on 2 cores
+    python3 -m bench.scale              # 1,000,000 files of 4 KiB: about 50 minutes on 2 cores
     python3 -m bench.scale 100000       # a tenth: some 10 minutes
     python3 -m bench.scale --help
 
 N files of SIZE bytes in directories of 1,000, f = 1, cachefs mounted directly over the tree
-(no emulated remote: the daemon's own costs show), the page cache dropped before each pass,
+(no emulated remote: the daemon's own costs show), pages, dentries and inodes dropped before
+each pass (only the pages where said: what a node keeps between epochs),
 READERS reader processes (open, read whole, close, as DataLoader workers do), the cache on a
 fresh journaled ext4 of its own (as a node's NVMe cache disk is).  One run measures, beside
 the same on the tree directly:
@@ -18,7 +19,7 @@ the same on the tree directly:
   the client's peak RSS; the daemon's RSS after it, and after a read pass;
 * steady read passes (files/s, daemon CPU per file), at the default bounds, with
   ``--held-files`` covering every file, with ``--attr-cache-entries`` as well, and the same
-  at 10,000 files;
+  at 10,000 files; each also with only the pages dropped;
 * ``cachefs mount`` with the cache full, after a clean unmount and after kill -9, and the
   first read pass after each;
 * the cache directory's size for the data it holds,
@@ -172,13 +173,15 @@ class Readers:
         self._pool = multiprocessing.get_context("fork").Pool(
             count, initializer=start_reader, initargs=(os.getpid(),))
 
-    def read_pass(self, root: Path, *, seed: int, expect_bytes: int) -> float:
-        """Every file once, in a shuffled order, the page cache dropped first: seconds."""
+    def read_pass(self, root: Path, *, seed: int, expect_bytes: int,
+                  pages_only: bool = False) -> float:
+        """Every file once, in a shuffled order, the pages, dentries and inodes dropped first
+        (only the pages with ``pages_only``): seconds."""
         order = list(range(len(self.names)))
         random.Random(seed).shuffle(order)
         jobs = [(str(root), array.array("I", order[i::self.count]).tobytes())
                 for i in range(self.count)]
-        drop_page_cache()
+        drop_page_cache(names_too=not pages_only)
         started = time.perf_counter()
         read = sum(self._pool.map(_read_share, jobs))
         seconds = time.perf_counter() - started
@@ -294,13 +297,15 @@ def mount_warm_flags(mount: CachefsMount) -> list[str]:
 
 
 def read_pass(readers: Readers, root: Path, tree: Tree, seed: int,
-              mount: CachefsMount | None = None) -> dict:
+              mount: CachefsMount | None = None, *, pages_only: bool = False) -> dict:
     """One pass over every file; through ``mount``, with the daemon's CPU per file and the
-    parts of it the kernel and its garbage collector took."""
+    parts of it the kernel and its garbage collector took.  ``pages_only``: the dentries and
+    inodes of the pass before are kept (Readers.read_pass)."""
     if mount:
         (cpu_before, system_before), gc_before = (process_tree_cpu_split(mount.pid),
                                                   gc_seconds(mount.metrics_text()))
-    seconds = readers.read_pass(root, seed=seed, expect_bytes=tree.data_bytes)
+    seconds = readers.read_pass(root, seed=seed, expect_bytes=tree.data_bytes,
+                                pages_only=pages_only)
     out = {"files_per_second": tree.files / seconds}
     if mount:
         cpu_after, system_after = process_tree_cpu_split(mount.pid)
@@ -372,6 +377,9 @@ def measure_big(run: Run, tree: Tree) -> dict:
             out["rss_after_steady_bytes"] = rss_bytes(mount.pid)
             out["status_seconds"] = cachefs_cli(mount, "status", str(mount.path))
             out["status_request_seconds"] = status_request_seconds(mount)
+            out["passes"]["steady_pages_only"] = [
+                read_pass(readers, mount.path, tree, 111 + r, mount, pages_only=True)
+                for r in range(args.repeats)]
         out["unmount_seconds"] = mount.unmount_seconds
         out["cache_dir_bytes"] = allocated_bytes(run.caches / "cache")
 
@@ -391,7 +399,11 @@ def measure_big(run: Run, tree: Tree) -> dict:
         # fraction of a million files (held files: a 64th of the memory; attributes:
         # 200,000 on any machine).  The same passes with the held files covering every file,
         # as their default does on a node of 128 GiB or more, then with both bounds covering
-        # every file, tell what each bound costs from what grows with the files.
+        # every file, tell what each bound costs from what grows with the files.  Each mount
+        # also reads with only the pages dropped before a pass (steady_*_pages_only): between
+        # epochs a node keeps the dentries and inodes of the pass before (the mount's and the
+        # cache disk's) while its memory allows, where the passes above find none, the worst
+        # case for an open of a file not held (its cache file's inode read from the disk).
         for number, (variant, flags) in enumerate(scale_report.COVERING_VARIANTS):
             seed = 250 + 10 * number
             log(f"steady reads with {' and '.join(flags)} covering every file")
@@ -401,6 +413,9 @@ def measure_big(run: Run, tree: Tree) -> dict:
                     read_pass(readers, mount.path, tree, seed + 1 + r, mount)
                     for r in range(args.repeats)]
                 out[f"rss_{variant}_bytes"] = rss_bytes(mount.pid)
+                out["passes"][f"steady_{variant}_pages_only"] = [
+                    read_pass(readers, mount.path, tree, seed + 5 + r, mount, pages_only=True)
+                    for r in range(args.repeats)]
     finally:
         readers.close()
     return out
@@ -427,11 +442,13 @@ def measure_small(run: Run, tree: Tree) -> dict:
         revalidate = ("--revalidate", str(REVALIDATE_SMALL_SECONDS))
         with run.mount(tree, "cache-small", name="mnt-small", extra_args=revalidate) as mount:
             read_pass(readers, mount.path, tree, 400, mount)  # past the restart's checks
-            out["steady_revalidated"] = []
-            for r in range(args.repeats + 1):
-                time.sleep(REVALIDATE_SMALL_SECONDS)  # every file's attributes due
-                out["steady_revalidated"].append(
-                    read_pass(readers, mount.path, tree, 401 + r, mount))
+            for key, pages_only, seed in (("steady_revalidated", False, 401),
+                                          ("steady_revalidated_pages_only", True, 411)):
+                out[key] = []
+                for r in range(args.repeats + 1):
+                    time.sleep(REVALIDATE_SMALL_SECONDS)  # every file's attributes due
+                    out[key].append(read_pass(readers, mount.path, tree, seed + r, mount,
+                                              pages_only=pages_only))
     finally:
         readers.close()
     return out

@@ -168,33 +168,54 @@ def verdicts(results: dict) -> list[dict]:
                             first <= WALK_FIRST_OF_TREE, f"{first:.1f}x"))
         out.append(_verdict(f"{label} of the mount repeated <= 2x the tree's first",
                             again <= WALK_AGAIN_OF_TREE, f"{again:.1f}x"))
-    small = results.get("small")
-    if small:
-        # The same work per file at both sizes: where a pass of the big tree outlasts
-        # --revalidate, each of its opens asks the remote again, and so do the small tree's
-        # passes compared with it.
-        within = steady / _mean(_rates(small["steady"]))
-        revalidated = small.get("steady_revalidated")
-        if revalidated and files / steady > DEFAULT_REVALIDATE_SECONDS:
+    if results.get("small"):
+        out += _against_small(results, steady)
+    return out
+
+
+# How the passes of _against_small had their caches dropped: the results' key suffix, and
+# the words of the verdict.
+_DROPPED = (("", ""),
+            ("_pages_only", ", only the pages dropped before each pass (what a node keeps "
+                            "between epochs)"))
+
+
+def _against_small(results: dict, steady: float) -> list[dict]:
+    """Steady reads of the big tree against the small tree's, the same work per file: where a
+    pass of the big tree outlasts --revalidate, each of its opens asks the remote again, and
+    so do the small tree's passes compared with it.  At the default bounds (the target), then
+    with each covering every file (what grows with the files, apart from what the bounds
+    cost); with pages, dentries and inodes dropped before each pass, then only the pages."""
+    small, passes = results["small"], results["big"]["passes"]
+    files, small_files = results["settings"]["files"], results["settings"]["small_files"]
+    within = steady / _mean(_rates(small["steady"]))
+    revalidating = files / steady > DEFAULT_REVALIDATE_SECONDS
+    out = []
+    for suffix, how in _DROPPED:
+        if f"steady{suffix}" not in passes:
+            continue  # a run from before these passes
+        revalidated = small.get(f"steady_revalidated{suffix}")
+        if revalidating and revalidated:
             baseline = _mean(_rates(revalidated))
-            share = steady / baseline
-            measured = (f"{share:.0%} of those revalidating every file as a pass here does "
-                        f"({within:.0%} of those within --revalidate)")
+            share = _mean(_rates(passes[f"steady{suffix}"])) / baseline
+            measured = f"{share:.0%} of those revalidating every file as a pass here does"
+            if not suffix:
+                measured += f" ({within:.0%} of those within --revalidate)"
+        elif not suffix:
+            baseline, share, measured = _mean(_rates(small["steady"])), within, f"{within:.0%}"
         else:
-            baseline = _mean(_rates(small["steady"]))
-            share, measured = within, f"{within:.0%}"
-        out.append(_verdict(f"steady reads at {files:,} files >= those at "
-                            f"{results['settings']['small_files']:,}", share >= 1.0,
-                            measured))
-        # What grows with the files, apart from what the bounds cost (informative: the
-        # target is judged at the defaults, above).
+            baseline, share = None, None
+            measured = (f"no pass at {small_files:,} files to compare (a pass here ends "
+                        "within --revalidate)")
+        out.append(_verdict(f"steady reads at {files:,} files >= those at {small_files:,}{how}",
+                            None if share is None else share >= 1.0, measured))
         for variant, flags in COVERING_VARIANTS:
-            covered = big["passes"].get(f"steady_{variant}")
+            covered = passes.get(f"steady_{variant}{suffix}")
             if covered:
-                share = _mean(_rates(covered)) / baseline
+                share = None if baseline is None else _mean(_rates(covered)) / baseline
                 out.append(_verdict(f"the same, {' and '.join(flags)} covering the {files:,} "
-                                    "files",
-                                    share >= 1.0, f"{share:.0%}"))
+                                    f"files{how}", None if share is None else share >= 1.0,
+                                    measured if share is None else f"{share:.0%}"))
     return out
 
 
@@ -237,27 +258,25 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
          f"{_span(_cpus(passes['steady']))} us per file{_parts(passes['steady'])}",
          f"{_span(local_rates)} files/s"),
     ]
+    out += _pages_only_row(passes.get("steady_pages_only"))
     for variant, flags in COVERING_VARIANTS:
         covered = passes.get(f"steady_{variant}")
         if covered:
             named = " and ".join(f"`{flag}`" for flag in flags)
             out.append((f"the same, {named} covering every file",
-                        f"{_span(_rates(covered))} files/s, {_span(_cpus(covered))} us per "
-                        f"file{_parts(covered)}; daemon RSS "
+                        f"{_pass_figures(covered)}; daemon RSS "
                         f"{_mib(big[f'rss_{variant}_bytes'])}", ""))
+            out += _pages_only_row(passes.get(f"steady_{variant}_pages_only"))
     small = results.get("small")
     if small:
         out.append((f"steady read pass at {settings['small_files']:,} files",
-                    f"{_span(_rates(small['steady']))} files/s, "
-                    f"{_span(_cpus(small['steady']))} us per file"
-                    f"{_parts(small['steady'])}",
-                    f"{_span(_rates(small['local']))} files/s"))
+                    _pass_figures(small["steady"]), f"{_span(_rates(small['local']))} files/s"))
         revalidated = small.get("steady_revalidated")
         if revalidated:
             out.append((f"the same, every file revalidated (as a pass of {files:,} files "
                         f"outlasting --revalidate {DEFAULT_REVALIDATE_SECONDS:.0f} s does)",
-                        f"{_span(_rates(revalidated))} files/s, "
-                        f"{_span(_cpus(revalidated))} us per file{_parts(revalidated)}", ""))
+                        _pass_figures(revalidated), ""))
+            out += _pages_only_row(small.get("steady_revalidated_pages_only"))
     tree = local["walks"]
     out += [
         ("`cachefs status` / `cachefs unmount` (the cache full)",
@@ -275,6 +294,19 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
          f"{_mib(files * settings['size'])} of data", ""),
     ]
     return out
+
+
+def _pass_figures(passes: list[dict]) -> str:
+    return (f"{_span(_rates(passes))} files/s, {_span(_cpus(passes))} us per file"
+            f"{_parts(passes)}")
+
+
+def _pages_only_row(passes: list[dict] | None) -> list[tuple[str, str, str]]:
+    """The row of the passes of the row above with only the pages dropped before each (none
+    in a run from before them)."""
+    if not passes:
+        return []
+    return [("the same, only the pages dropped before each pass", _pass_figures(passes), "")]
 
 
 COST_LABELS = {
@@ -311,8 +343,9 @@ def table(results: dict) -> str:
     """The console's text: the table, the per-file costs, the verdicts."""
     settings = results["settings"]
     lines = [f"bench.scale: {settings['files']:,} files of {settings['size']:,} bytes, f = 1, "
-             f"a local tree as the remote, {settings['readers']} readers, page cache dropped "
-             f"before each pass; commit {results['source']['commit']}"
+             f"a local tree as the remote, {settings['readers']} readers, pages, dentries and "
+             f"inodes dropped before each pass (only the pages where said); "
+             f"commit {results['source']['commit']}"
              + (f" (cachefs of {results['source']['measured_tree']})"
                 if results["source"].get("measured_tree") else "") + ", "
              f"{results['machine']['cores']} cores, {results['seconds']:,.0f} s", ""]
@@ -331,7 +364,8 @@ def markdown(results: dict) -> str:
     settings, m = results["settings"], results["machine"]
     out = [f"# bench.scale: {settings['files']:,} files of {settings['size']:,} bytes", "",
            f"f = 1, a local tree as the remote (cachefs mounted directly over it), "
-           f"{settings['readers']} reader processes, the page cache dropped before each pass, "
+           f"{settings['readers']} reader processes, pages, dentries and inodes dropped before "
+           f"each pass (only the pages where said), "
            f"directories of {settings['files_per_directory']:,} files, the cache on "
            f"{'a fresh journaled ext4' if settings['cache_disk'] == 'ext4' else 'the root fs'}, "
            f"--passthrough {settings['passthrough']}; passes repeated {settings['repeats']} "
