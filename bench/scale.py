@@ -18,8 +18,9 @@ the same on the tree directly:
 * ``cachefs warm`` of every file (a list of every path): files/s, the daemon's CPU per file,
   the client's peak RSS; the daemon's RSS after it, and after a read pass;
 * steady read passes (files/s, daemon CPU per file), at the default bounds, with
-  ``--held-files`` covering every file, with ``--attr-cache-entries`` as well, and the same
-  at 10,000 files; each also with only the pages dropped;
+  ``--held-files`` covering every file, with ``--attr-cache-entries`` as well, each also with
+  only the pages dropped; the same at 10,000 files, and 10,000 files read again right before
+  each of those passes and after the last, which each is judged against;
 * ``cachefs mount`` with the cache full, after a clean unmount and after kill -9, and the
   first read pass after each;
 * the cache directory's size for the data it holds,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import itertools
 import json
 import multiprocessing
 import os
@@ -63,11 +65,12 @@ from cachefs.service.process import alive
 DEFAULT_FILES = 1_000_000
 DEFAULT_SIZE = 4096
 SMALL_FILES = 10_000
-# --revalidate of the small tree's second mount.  A pass of the big tree outlasts the default
-# interval (a million files at some thousands a second), so every one of its opens asks the
-# remote again; the small tree's passes, within the interval, ask nothing.  Its passes on this
-# mount, each begun once the interval has passed, revalidate every file too: the per-file
-# cost at two sizes compared with the same work per file.
+# --revalidate of the small tree's mount read beside the big tree's passes (Baseline).  A pass
+# of the big tree outlasts the default interval (a million files at some thousands a second),
+# so every one of its opens asks the remote again; the small tree's passes, within the
+# interval, ask nothing.  Its passes on this mount, each begun once the interval has passed,
+# revalidate every file too: the per-file cost at two sizes compared with the same work per
+# file.
 REVALIDATE_SMALL_SECONDS = 2.0
 FILES_PER_DIRECTORY = 1000
 READERS = 8
@@ -146,16 +149,20 @@ def ensure_tree(work: Path, files: int, size: int, log: Callable[[str], None]) -
 
 # -- readers --------------------------------------------------------------------------------
 
-_NAMES: list[str] = []
+# The names of each pool's tree, by the pool's number: set before its processes fork, so
+# that each has them (the big tree's and the small tree's pools read side by side).
+_NAMES: dict[int, list[str]] = {}
+_POOL_NUMBERS = itertools.count()
 
 
-def _read_share(job: tuple[str, bytes]) -> int:
-    root, packed = job
+def _read_share(job: tuple[int, str, bytes]) -> int:
+    pool, root, packed = job
+    names = _NAMES[pool]
     indices = array.array("I")
     indices.frombytes(packed)
     total = 0
     for index in indices:
-        with open(f"{root}/{_NAMES[index]}", "rb", buffering=0) as f:
+        with open(f"{root}/{names[index]}", "rb", buffering=0) as f:
             while chunk := f.read(1 << 20):
                 total += len(chunk)
     return total
@@ -166,8 +173,8 @@ class Readers:
     (the shares go to them as packed indices, not paths)."""
 
     def __init__(self, names: list[str], count: int) -> None:
-        global _NAMES
-        _NAMES = names
+        self.number = next(_POOL_NUMBERS)
+        _NAMES[self.number] = names
         self.names = names
         self.count = count
         self._pool = multiprocessing.get_context("fork").Pool(
@@ -179,7 +186,7 @@ class Readers:
         (only the pages with ``pages_only``): seconds."""
         order = list(range(len(self.names)))
         random.Random(seed).shuffle(order)
-        jobs = [(str(root), array.array("I", order[i::self.count]).tobytes())
+        jobs = [(self.number, str(root), array.array("I", order[i::self.count]).tobytes())
                 for i in range(self.count)]
         drop_page_cache(names_too=not pages_only)
         started = time.perf_counter()
@@ -192,6 +199,7 @@ class Readers:
     def close(self) -> None:
         self._pool.terminate()
         self._pool.join()
+        _NAMES.pop(self.number, None)
 
 
 # -- what is measured -----------------------------------------------------------------------
@@ -341,10 +349,70 @@ def cache_budget(tree: Tree) -> int:
     return tree.files * per_file + (512 << 20)
 
 
-def measure_big(run: Run, tree: Tree) -> dict:
+class Baseline:
+    """The small tree read beside the big tree's steady passes: one pass of it right before
+    each of theirs and one after the last, with the same caches dropped, each of its files
+    revalidated as each of a pass of the big tree is (a pass of a million files outlasts
+    --revalidate).  Each big pass is then judged against the passes either side of it, read
+    within seconds of it: a shared host's slow spell falls on both sides of a comparison,
+    where the small tree's passes read apart from the big tree's (most of an hour later)
+    could not tell a few per cent from the host's drift.
+
+    Thread safety: used by one thread.
+    """
+
+    def __init__(self, run: Run, tree: Tree) -> None:
+        self.tree = tree
+        self.passes: dict[str, list[dict]] = {}  # the big tree's key -> the small's passes
+        self._seeds = itertools.count(400)
+        self._last_read = 0.0  # when the last pass of it ended (time.monotonic)
+        self._readers = Readers(tree.names(), run.args.readers)
+        self._mount = run.mount(tree, "cache-small", name="mnt-small",
+                                extra_args=("--revalidate", str(REVALIDATE_SMALL_SECONDS)))
+        try:
+            self._mount.__enter__()
+            self._read(pages_only=False)  # past the restart's checks
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, key: str, pages_only: bool) -> None:
+        """One pass of the small tree beside the big tree's passes ``key``."""
+        self.passes.setdefault(key, []).append(self._read(pages_only))
+
+    def _read(self, pages_only: bool) -> dict:
+        # Every file's attributes due: most often long since, a big tree's pass between.
+        time.sleep(max(0.0, self._last_read + REVALIDATE_SMALL_SECONDS - time.monotonic()))
+        try:
+            return read_pass(self._readers, self._mount.path, self.tree, next(self._seeds),
+                             self._mount, pages_only=pages_only)
+        finally:
+            self._last_read = time.monotonic()
+
+    def close(self) -> None:
+        try:
+            self._mount.close()
+        finally:
+            self._readers.close()
+
+
+def measure_big(run: Run, tree: Tree, baseline: Baseline | None = None) -> dict:
     args, log = run.args, run.log
     out: dict = {"passes": {}}
     readers = Readers(tree.names(), args.readers)
+    seeds = itertools.count(101)  # a shuffled order of its own for each steady pass
+
+    def steady(key: str, mount: CachefsMount, pages_only: bool = False) -> None:
+        """--repeats steady passes as ``key``, each after one of the baseline's."""
+        passes = out["passes"][key] = []
+        for _ in range(args.repeats):
+            if baseline is not None:
+                baseline.read(key, pages_only)
+            passes.append(read_pass(readers, mount.path, tree, next(seeds), mount,
+                                    pages_only=pages_only))
+        if baseline is not None:
+            baseline.read(key, pages_only)
+
     try:
         log("the tree directly: read passes, find, ls -lR")
         out["local"] = {"passes": [read_pass(readers, tree.root, tree, seed)
@@ -372,14 +440,11 @@ def measure_big(run: Run, tree: Tree) -> dict:
             log("read passes through the mount")
             out["passes"]["after_warm"] = read_pass(readers, mount.path, tree, 100, mount)
             out["rss_after_read_bytes"] = rss_bytes(mount.pid)
-            out["passes"]["steady"] = [read_pass(readers, mount.path, tree, 101 + r, mount)
-                                       for r in range(args.repeats)]
+            steady("steady", mount)
             out["rss_after_steady_bytes"] = rss_bytes(mount.pid)
             out["status_seconds"] = cachefs_cli(mount, "status", str(mount.path))
             out["status_request_seconds"] = status_request_seconds(mount)
-            out["passes"]["steady_pages_only"] = [
-                read_pass(readers, mount.path, tree, 111 + r, mount, pages_only=True)
-                for r in range(args.repeats)]
+            steady("steady_pages_only", mount, pages_only=True)
         out["unmount_seconds"] = mount.unmount_seconds
         out["cache_dir_bytes"] = allocated_bytes(run.caches / "cache")
 
@@ -404,18 +469,13 @@ def measure_big(run: Run, tree: Tree) -> dict:
         # epochs a node keeps the dentries and inodes of the pass before (the mount's and the
         # cache disk's) while its memory allows, where the passes above find none, the worst
         # case for an open of a file not held (its cache file's inode read from the disk).
-        for number, (variant, flags) in enumerate(scale_report.COVERING_VARIANTS):
-            seed = 250 + 10 * number
+        for variant, flags in scale_report.COVERING_VARIANTS:
             log(f"steady reads with {' and '.join(flags)} covering every file")
             with run.mount(tree, "cache", extra_args=covering_bounds(tree, flags)) as mount:
-                read_pass(readers, mount.path, tree, seed, mount)  # every file registered
-                out["passes"][f"steady_{variant}"] = [
-                    read_pass(readers, mount.path, tree, seed + 1 + r, mount)
-                    for r in range(args.repeats)]
+                read_pass(readers, mount.path, tree, next(seeds), mount)  # every file held
+                steady(f"steady_{variant}", mount)
                 out[f"rss_{variant}_bytes"] = rss_bytes(mount.pid)
-                out["passes"][f"steady_{variant}_pages_only"] = [
-                    read_pass(readers, mount.path, tree, seed + 5 + r, mount, pages_only=True)
-                    for r in range(args.repeats)]
+                steady(f"steady_{variant}_pages_only", mount, pages_only=True)
     finally:
         readers.close()
     return out
@@ -429,7 +489,8 @@ def covering_bounds(tree: Tree, flags: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def measure_small(run: Run, tree: Tree) -> dict:
-    """The same steady reads at SMALL_FILES files: what the big tree's are judged against."""
+    """The same steady reads at SMALL_FILES files, within --revalidate; the cache they fill
+    stays for the Baseline's passes."""
     args = run.args
     readers = Readers(tree.names(), args.readers)
     try:
@@ -439,16 +500,6 @@ def measure_small(run: Run, tree: Tree) -> dict:
             out["warm"] = warm(mount, tree, run.run_dir)
             out["steady"] = [read_pass(readers, mount.path, tree, 300 + r, mount)
                              for r in range(args.repeats + 1)]
-        revalidate = ("--revalidate", str(REVALIDATE_SMALL_SECONDS))
-        with run.mount(tree, "cache-small", name="mnt-small", extra_args=revalidate) as mount:
-            read_pass(readers, mount.path, tree, 400, mount)  # past the restart's checks
-            for key, pages_only, seed in (("steady_revalidated", False, 401),
-                                          ("steady_revalidated_pages_only", True, 411)):
-                out[key] = []
-                for r in range(args.repeats + 1):
-                    time.sleep(REVALIDATE_SMALL_SECONDS)  # every file's attributes due
-                    out[key].append(read_pass(readers, mount.path, tree, seed + r, mount,
-                                              pages_only=pages_only))
     finally:
         readers.close()
     return out
@@ -501,11 +552,18 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict:
                                inodes=2 * (args.files + args.small) + 100_000)
             caches = disk.__enter__()
         this = Run(args, run_dir, caches, log)
-        results["big"] = measure_big(this, big)
-        shutil.rmtree(caches / "cache", ignore_errors=True)
+        baseline = None
         if small is not None:
-            log(f"steady reads at {small.files:,} files")
+            log(f"steady reads at {small.files:,} files, then read beside the "
+                f"{big.files:,} files' steady passes")
             results["small"] = measure_small(this, small)
+            baseline = Baseline(this, small)
+        try:
+            results["big"] = measure_big(this, big, baseline)
+        finally:
+            if baseline is not None:
+                baseline.close()
+                results["small"]["paired"] = baseline.passes
     finally:
         if disk is not None:
             disk.close()

@@ -194,29 +194,58 @@ def _against_small(results: dict, steady: float) -> list[dict]:
     for suffix, how in _DROPPED:
         if f"steady{suffix}" not in passes:
             continue  # a run from before these passes
-        revalidated = small.get(f"steady_revalidated{suffix}")
-        if revalidating and revalidated:
-            baseline = _mean(_rates(revalidated))
-            share = _mean(_rates(passes[f"steady{suffix}"])) / baseline
-            measured = f"{share:.0%} of those revalidating every file as a pass here does"
-            if not suffix:
-                measured += f" ({within:.0%} of those within --revalidate)"
-        elif not suffix:
-            baseline, share, measured = _mean(_rates(small["steady"])), within, f"{within:.0%}"
-        else:
-            baseline, share = None, None
-            measured = (f"no pass at {small_files:,} files to compare (a pass here ends "
-                        "within --revalidate)")
-        out.append(_verdict(f"steady reads at {files:,} files >= those at {small_files:,}{how}",
-                            None if share is None else share >= 1.0, measured))
-        for variant, flags in COVERING_VARIANTS:
-            covered = passes.get(f"steady_{variant}{suffix}")
-            if covered:
-                share = None if baseline is None else _mean(_rates(covered)) / baseline
-                out.append(_verdict(f"the same, {' and '.join(flags)} covering the {files:,} "
-                                    f"files{how}", None if share is None else share >= 1.0,
-                                    measured if share is None else f"{share:.0%}"))
+        for variant, flags in (("", ()), *COVERING_VARIANTS):
+            key = f"steady_{variant}{suffix}" if variant else f"steady{suffix}"
+            mine = passes.get(key)
+            if not mine:
+                continue
+            if flags:
+                target = f"the same, {' and '.join(flags)} covering the {files:,} files{how}"
+            else:
+                target = f"steady reads at {files:,} files >= those at {small_files:,}{how}"
+            if revalidating:
+                share, measured = _against_baseline(mine, *_baseline(small, key, suffix),
+                                                     small_files)
+                if not variant and not suffix:
+                    measured += f"; {within:.0%} of those within --revalidate"
+            elif not suffix and not variant:
+                share, measured = within, f"{within:.0%}"
+            elif not suffix:
+                share = _mean(_rates(mine)) / _mean(_rates(small["steady"]))
+                measured = f"{share:.0%}"
+            else:
+                share = None
+                measured = (f"no pass at {small_files:,} files to compare (a pass here ends "
+                            "within --revalidate)")
+            out.append(_verdict(target, None if share is None else share >= 1.0, measured))
     return out
+
+
+def _baseline(small: dict, key: str, suffix: str) -> tuple[list[dict], bool]:
+    """The small tree's passes, every file revalidated, that the big tree's passes ``key``
+    are judged against, and whether they were read beside them (Baseline in bench/scale.py:
+    one before each and one after the last); in a run from before that, its passes of the
+    same drop, read apart from them."""
+    paired = small.get("paired", {}).get(key)
+    if paired:
+        return paired, True
+    return small.get(f"steady_revalidated{suffix}") or [], False
+
+
+def _against_baseline(mine: list[dict], baseline: list[dict], paired: bool, small_files: int
+                      ) -> tuple[float | None, str]:
+    """(the share, in words): each of ``mine`` against the mean of the baseline's passes
+    either side of it where they were read so, else the means."""
+    if not baseline:
+        return None, f"no pass at {small_files:,} files revalidating every file to compare"
+    rates, base = _rates(mine), _rates(baseline)
+    if not paired or len(base) != len(rates) + 1:
+        share = _mean(rates) / _mean(base)
+        return share, f"{share:.0%} of those revalidating every file as a pass here does"
+    shares = [rate / ((base[i] + base[i + 1]) / 2) for i, rate in enumerate(rates)]
+    share = _mean(shares)
+    return share, (f"{share:.0%} of those revalidating every file as a pass here does, read "
+                   f"either side of each pass ({_span([100 * x for x in shares])} %)")
 
 
 def rows(results: dict) -> list[tuple[str, str, str]]:
@@ -258,7 +287,7 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
          f"{_span(_cpus(passes['steady']))} us per file{_parts(passes['steady'])}",
          f"{_span(local_rates)} files/s"),
     ]
-    out += _pages_only_row(passes.get("steady_pages_only"))
+    out += _pages_only_row("the steady passes", passes.get("steady_pages_only"))
     for variant, flags in COVERING_VARIANTS:
         covered = passes.get(f"steady_{variant}")
         if covered:
@@ -266,17 +295,20 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
             out.append((f"the same, {named} covering every file",
                         f"{_pass_figures(covered)}; daemon RSS "
                         f"{_mib(big[f'rss_{variant}_bytes'])}", ""))
-            out += _pages_only_row(passes.get(f"steady_{variant}_pages_only"))
+            out += _pages_only_row(f"{named} covering",
+                                   passes.get(f"steady_{variant}_pages_only"))
     small = results.get("small")
     if small:
         out.append((f"steady read pass at {settings['small_files']:,} files",
                     _pass_figures(small["steady"]), f"{_span(_rates(small['local']))} files/s"))
-        revalidated = small.get("steady_revalidated")
-        if revalidated:
-            out.append((f"the same, every file revalidated (as a pass of {files:,} files "
-                        f"outlasting --revalidate {DEFAULT_REVALIDATE_SECONDS:.0f} s does)",
-                        _pass_figures(revalidated), ""))
-            out += _pages_only_row(small.get("steady_revalidated_pages_only"))
+        for suffix, _ in _DROPPED:
+            revalidated = _revalidated_passes(small, suffix)
+            if revalidated:
+                paired = " (read beside the passes above)" if small.get("paired") else ""
+                how = ", only the pages dropped before each pass" if suffix else ""
+                out.append((f"the same, every file revalidated (as a pass of {files:,} files "
+                            f"outlasting --revalidate {DEFAULT_REVALIDATE_SECONDS:.0f} s "
+                            f"does){paired}{how}", _pass_figures(revalidated), ""))
     tree = local["walks"]
     out += [
         ("`cachefs status` / `cachefs unmount` (the cache full)",
@@ -301,12 +333,20 @@ def _pass_figures(passes: list[dict]) -> str:
             f"{_parts(passes)}")
 
 
-def _pages_only_row(passes: list[dict] | None) -> list[tuple[str, str, str]]:
-    """The row of the passes of the row above with only the pages dropped before each (none
-    in a run from before them)."""
+def _pages_only_row(what: str, passes: list[dict] | None) -> list[tuple[str, str, str]]:
+    """The row of ``what`` (the passes of the row above) with only the pages dropped before
+    each (none in a run from before them)."""
     if not passes:
         return []
-    return [("the same, only the pages dropped before each pass", _pass_figures(passes), "")]
+    return [(f"{what}, only the pages dropped before each pass", _pass_figures(passes), "")]
+
+
+def _revalidated_passes(small: dict, suffix: str) -> list[dict]:
+    """Every pass of the small tree revalidating every file, with the drop of ``suffix``:
+    those read beside the big tree's passes, or, in a run from before that, apart."""
+    paired = [p for key, passes in small.get("paired", {}).items()
+              if key.endswith("_pages_only") == bool(suffix) for p in passes]
+    return paired or small.get(f"steady_revalidated{suffix}") or []
 
 
 COST_LABELS = {
