@@ -362,7 +362,7 @@ class Baseline:
     """
 
     def __init__(self, run: Run, tree: Tree) -> None:
-        self.tree = tree
+        self._tree = tree
         self.passes: dict[str, list[dict]] = {}  # the big tree's key -> the small's passes
         self._seeds = itertools.count(400)
         self._last_read = 0.0  # when the last pass of it ended (time.monotonic)
@@ -384,7 +384,7 @@ class Baseline:
         # Every file's attributes due: most often long since, a big tree's pass between.
         time.sleep(max(0.0, self._last_read + REVALIDATE_SMALL_SECONDS - time.monotonic()))
         try:
-            return read_pass(self._readers, self._mount.path, self.tree, next(self._seeds),
+            return read_pass(self._readers, self._mount.path, self._tree, next(self._seeds),
                              self._mount, pages_only=pages_only)
         finally:
             self._last_read = time.monotonic()
