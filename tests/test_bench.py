@@ -283,6 +283,29 @@ def test_a_big_pass_is_judged_against_the_small_passes_either_side_of_it() -> No
     assert "either side" not in verdict["measured"]
 
 
+def test_a_big_pass_as_fast_but_dearer_per_file_misses() -> None:
+    from bench.scale_report import _against_small
+
+    def passes(*figures: tuple[float, float]) -> list[dict]:
+        return [{"files_per_second": rate, "daemon_cpu_us_per_file": cpu}
+                for rate, cpu in figures]
+
+    # The small tree's passes, seconds long, caught a slow spell: the big tree's read 20 %
+    # faster, but each of its files cost the daemon 1.2x the CPU.  A slowdown per file.
+    results = {"settings": {"files": 1_000_000, "small_files": 10_000},
+               "big": {"passes": {"steady": passes((6_000, 240))}},
+               "small": {"steady": passes((9_000, 150)),
+                         "paired": {"steady": passes((5_000, 200), (5_000, 200))}}}
+    [verdict] = _against_small(results, 6_000)
+    assert verdict["met"] is False
+    assert verdict["measured"].startswith("120% of those revalidating every file")
+    assert "daemon CPU per file 1.20x theirs (1.20x)" in verdict["measured"]
+    # As fast and no dearer: met.
+    results["big"]["passes"]["steady"] = passes((6_000, 190))
+    [verdict] = _against_small(results, 6_000)
+    assert verdict["met"] is True and "daemon CPU per file 0.95x theirs" in verdict["measured"]
+
+
 def test_a_speed_up_above_the_remotes_ceiling_is_said_to_be() -> None:
     from bench.targets import _speedup_verdicts
     from bench.variants import CACHEFS, DIRECT
