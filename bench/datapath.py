@@ -61,7 +61,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -73,9 +72,9 @@ from typing import NamedTuple
 from bench.driver import drop_page_cache
 from bench.emulator.remote import EmulatedRemote, process_tree_cpu_seconds, process_tree_rss_bytes
 from bench.mounts import REPO, CachefsMount, ScratchDisk
+from bench.readerpool import ReaderPool
 from bench.settings import ArgumentParser, size_arg
 from cachefs.prefetch.prefetcher import RECENT_OPEN_SECONDS
-from cachefs.service.process import die_with_parent
 
 PATHS = ("fill", "cached", "warm", "client", "not kept", "prefetched", "client not kept")
 # The paths of a pass over files the cache keeps (fraction 1) and over files it does not.
@@ -135,17 +134,6 @@ READERS = {"client": _read_files_client, "client not kept": _read_files_client,
            "prefetched": _read_files_hinted}
 
 
-def start_reader(benchmark: int) -> None:
-    """A reader process's start: it ends with the benchmark (pid ``benchmark``), however that
-    ends (killed on a timeout, say), and leaves Ctrl-C and SIGTERM to it, which ends the
-    readers itself.  bench.run turns SIGTERM into KeyboardInterrupt for itself; inherited,
-    that made a reader waiting for the pool's queue outlive the pool's own SIGTERM now and
-    then, and the pool's end wait for it for ever."""
-    die_with_parent(benchmark)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 class Readers:
     """READERS processes, started once, each reading its share of a pass."""
 
@@ -155,8 +143,7 @@ class Readers:
         # first pass (it imports torch: seconds of CPU).
         import cachefs_client  # noqa: F401
 
-        self._pool = multiprocessing.get_context("fork").Pool(
-            count, initializer=start_reader, initargs=(os.getpid(),))
+        self._pool = ReaderPool(count)
 
     def read_pass(self, root: Path, names: list[str], *, seed: int, drop: bool = True,
                   path: str = "") -> tuple[float, Share]:
@@ -176,8 +163,7 @@ class Readers:
                               sum(share.reading for share in done) if split else None)
 
     def close(self) -> None:
-        self._pool.terminate()
-        self._pool.join()
+        self._pool.close()
 
     def __enter__(self) -> Readers:
         return self

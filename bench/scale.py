@@ -37,7 +37,6 @@ import argparse
 import array
 import itertools
 import json
-import multiprocessing
 import os
 import random
 import shutil
@@ -52,12 +51,13 @@ from pathlib import Path
 
 from bench import machine, scale_report
 from bench.counters import gc_seconds
-from bench.datapath import cpu_seconds, start_reader
+from bench.datapath import cpu_seconds
 from bench.driver import drop_page_cache
 from bench.emulator import slowfs
 from bench.emulator.remote import process_rss_bytes, process_tree_cpu_split
 from bench.mounts import REPO, CachefsMount, ScratchDisk, _cli_env
 from bench.peakrss import run_with_peak_rss
+from bench.readerpool import ReaderPool
 from bench.run import measure_this_tree, measured
 from bench.settings import ArgumentParser, size_arg
 from cachefs.service.process import alive
@@ -177,8 +177,7 @@ class Readers:
         _NAMES[self.number] = names
         self.names = names
         self.count = count
-        self._pool = multiprocessing.get_context("fork").Pool(
-            count, initializer=start_reader, initargs=(os.getpid(),))
+        self._pool = ReaderPool(count)
 
     def read_pass(self, root: Path, *, seed: int, expect_bytes: int,
                   pages_only: bool = False) -> float:
@@ -197,8 +196,7 @@ class Readers:
         return seconds
 
     def close(self) -> None:
-        self._pool.terminate()
-        self._pool.join()
+        self._pool.close()
         _NAMES.pop(self.number, None)
 
 
