@@ -370,3 +370,37 @@ def test_what_a_killed_run_left_mounted_is_cleared_by_the_next(tmp_path: Path) -
     finally:
         if slowfs.is_mounted(disk.path):
             subprocess.run(["umount", "-l", str(disk.path)], capture_output=True)
+
+
+@pytest.mark.timeout(230)
+def test_a_scale_run_whose_processes_all_get_sigterm_ends_and_unmounts(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    # Its process group stopped (a unit stopped, a pod deleted) while its readers read: every
+    # reader dies with the run, which unwinds and unmounts what it mounted.
+    work, log = tmp_path / "work", tmp_path / "log"
+    with open(log, "wb") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "bench.scale", "10000", "--small", "2000", "--repeats", "1",
+             "--work-dir", str(work), "--out", str(tmp_path / "out")],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while b"read passes through the mount" not in log.read_bytes():
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the passes
+        os.killpg(run.pid, signal.SIGTERM)
+        assert run.wait(60) != 0
+        assert "interrupted; every mount was unmounted" in log.read_text()
+        with open("/proc/self/mountinfo") as mounts:
+            assert str(tmp_path) not in mounts.read()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+        with open("/proc/self/mountinfo") as mounts:
+            for line in mounts:
+                if str(tmp_path) in line:
+                    subprocess.run(["umount", "-l", line.split()[4]], capture_output=True)
