@@ -44,7 +44,6 @@ class ReaderPool:
     of a tree, an imported client)."""
 
     def __init__(self, count: int) -> None:
-        self.count = count
         self._executor = ProcessPoolExecutor(
             count, mp_context=multiprocessing.get_context("fork"), initializer=start_reader,
             initargs=(os.getpid(),))

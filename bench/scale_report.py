@@ -256,13 +256,19 @@ def _against_baseline(mine: list[dict], baseline: list[dict], paired: bool, smal
         share = _mean(rates) / _mean(base)
         return share, cpu, (f"{share:.0%} of those revalidating every file as a pass here "
                             f"does{said}")
-    shares = [rate / ((base[i] + base[i + 1]) / 2) for i, rate in enumerate(rates)]
+    shares = _against_neighbours(rates, base)
     share = _mean(shares)
     # Passes either side of 100 % say the host's noise is larger than the difference.
     noise = "; within the host's noise" if min(shares) < 1.0 <= max(shares) else ""
     return share, cpu, (f"{share:.0%} of those revalidating every file as a pass here does, "
                         f"read either side of each pass ({_span([100 * x for x in shares])} "
                         f"%){noise}{said}")
+
+
+def _against_neighbours(mine: list[float], baseline: list[float]) -> list[float]:
+    """Each of ``mine`` as a multiple of the mean of the baseline's figures either side of it
+    (the baseline read one before each and one after the last)."""
+    return [value / ((baseline[i] + baseline[i + 1]) / 2) for i, value in enumerate(mine)]
 
 
 def _cpu_against(mine: list[float], baseline: list[float], *, paired: bool
@@ -275,8 +281,8 @@ def _cpu_against(mine: list[float], baseline: list[float], *, paired: bool
     1.08 - 1.48x)."""
     if not mine or not baseline:
         return None, ""
-    if paired and len(baseline) == len(mine) + 1:
-        ratios = [cpu / ((baseline[i] + baseline[i + 1]) / 2) for i, cpu in enumerate(mine)]
+    if paired and len(baseline) == len(mine) + 1:  # a pass may lack the figure
+        ratios = _against_neighbours(mine, baseline)
         return _mean(ratios), (f"; daemon CPU per file {_mean(ratios):.2f}x theirs "
                                f"({_span(ratios, '.2f')}x)")
     ratio = _mean(mine) / _mean(baseline)
