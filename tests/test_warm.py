@@ -26,7 +26,6 @@ from cachefs.control.checkpoint import (
     skip_done,
 )
 from cachefs.control.concurrency import ConcurrencyTuner
-from cachefs.control.warm import AHEAD_PATHS
 from cachefs.errors import UsageError
 from cachefs.store.admission import FractionAdmission
 from tests.conftest import REPO, make_files, run_cachefs, wait_for
@@ -359,28 +358,37 @@ def evict(path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_the_reader_ahead_reads_in_what_a_fetch_would_copy_and_nothing_else(tmp_path):
-    """Paths go to a process of its own, in order: a regular file the caller may read is read
-    in, a large one only as far as READ_AHEAD_BYTES; a FIFO holds nothing up, and a symlink, a
-    file the caller may not read and one the cache holds (its check mark) are left alone."""
+    """A warm's connection is handed to a process of its own, which reads its paths in
+    order: a regular file the fraction admits and the caller may read is read in, a large one
+    only as far as READ_AHEAD_BYTES; a FIFO holds nothing up, and a symlink, a file the
+    caller may not read, one the cache holds (its check mark), one outside the fraction and
+    a path outside the mount are left alone.  What it did is counted as each warm ends."""
+    import socket
+
     from cachefs.attr import Version
-    from cachefs.remote.readahead import READ_AHEAD_BYTES, ReadAhead
+    from cachefs.prefetch.readahead import READ_AHEAD_BYTES, ReadAhead
     from cachefs.store.index import data_key
     from cachefs.store.layout import data_name
     from cachefs.store.mark import mark_checked
 
     remote, data_dir = tmp_path / "remote", tmp_path / "data"
     remote.mkdir()
-    sizes = {"wanted.bin": 64 << 10, "last.bin": 8 << 10, "large.bin": 4 * READ_AHEAD_BYTES,
-             "private.bin": 64 << 10, "cached.bin": 64 << 10, "target.bin": 64 << 10}
+    admission = FractionAdmission(0.5, seed=7)
+    names = [f"f{i}.bin" for i in range(200)]
+    outside = next(n for n in names if not admission.eligible(n))
+    wanted, last, large, private, cached, target = \
+        [n for n in names if admission.eligible(n)][:6]
+    sizes = {wanted: 64 << 10, last: 8 << 10, large: 4 * READ_AHEAD_BYTES,
+             private: 64 << 10, cached: 64 << 10, target: 64 << 10, outside: 64 << 10}
     for name, size in sizes.items():
         (remote / name).write_bytes(random.randbytes(size))
-    (remote / "private.bin").chmod(0o600)
-    (remote / "link").symlink_to("target.bin")
+    (remote / private).chmod(0o600)
+    (remote / "link").symlink_to(target)
     os.mkfifo(remote / "fifo")
-    st = (remote / "cached.bin").stat()
-    copy = data_dir / data_name(data_key(b"cached.bin", Version(st.st_size, st.st_mtime_ns)))
+    st = (remote / cached).stat()
+    copy = data_dir / data_name(data_key(cached.encode(), Version(st.st_size, st.st_mtime_ns)))
     copy.parent.mkdir(parents=True)
-    copy.write_bytes((remote / "cached.bin").read_bytes())
+    copy.write_bytes((remote / cached).read_bytes())
     with open(copy, "rb") as f:
         mark_checked(f.fileno(), Version(st.st_size, st.st_mtime_ns))
     for name in sizes:
@@ -388,24 +396,32 @@ def test_the_reader_ahead_reads_in_what_a_fetch_would_copy_and_nothing_else(tmp_
     if any(uncached(remote / name) != size for name, size in sizes.items()):
         pytest.skip("this file system keeps the pages of clean files it was told to drop")
 
-    reader = ReadAhead(str(remote), str(data_dir))
+    mountpoint = str(tmp_path / "mnt")
+    reader = ReadAhead(str(remote), str(data_dir), mountpoint, admission)
+    warms = [socket.socketpair() for _ in range(2)]
     try:
-        for name, uid in (("fifo", 0), ("link", 0), ("private.bin", 1000), ("cached.bin", 0),
-                          ("large.bin", 0), ("wanted.bin", 0), ("no-such.bin", 0)):
-            reader.submit(name, uid)
-        time.sleep(0.01)  # the batch goes out at the next path, once it waited this long
-        reader.submit("last.bin", 0)
+        for (theirs, _), uid in zip(warms, (1000, 0), strict=True):
+            assert reader.take(theirs, uid) is None
+            theirs.close()  # the reader-ahead holds its own
         pid = reader.figures()["pid"]
         assert pid is not None
+        warms[0][1].sendall(private.encode() + b"\n")
+        warms[0][1].close()
+        paths = ["fifo", "link", cached, outside, f"{mountpoint}/{large}",
+                 f"{mountpoint}/../{wanted}", f"{mountpoint}/x/../{wanted}", "no-such.bin", last]
+        warms[1][1].sendall(b"".join(p.encode() + b"\n" for p in paths))
         # In order: the last file read in, every earlier line was taken (the FIFO held
         # nothing up).
-        wait_for(lambda: uncached(remote / "last.bin") == 0, what="last.bin read in")
-        assert uncached(remote / "wanted.bin") == 0
-        assert uncached(remote / "large.bin", READ_AHEAD_BYTES) == 0
-        assert uncached(remote / "large.bin") >= 2 * READ_AHEAD_BYTES
-        for name in ("private.bin", "cached.bin", "target.bin"):
+        wait_for(lambda: uncached(remote / last) == 0, what=f"{last} read in")
+        assert uncached(remote / wanted) == 0
+        assert uncached(remote / large, READ_AHEAD_BYTES) == 0
+        assert uncached(remote / large) >= 2 * READ_AHEAD_BYTES
+        for name in (private, cached, target, outside):
             assert uncached(remote / name) == sizes[name], name
-        assert reader.figures() == {"pid": pid, "sent": 8, "dropped": 0}
+        warms[1][1].close()
+        figures = wait_for(lambda: (f := reader.figures())["open"] == 0 and f,
+                           what="both warms counted")
+        assert figures == {"pid": pid, "warms": 2, "open": 0, "read": 3, "left": 7}
     finally:
         reader.close()
     assert not Path(f"/proc/{pid}").exists()  # ended and reaped with its daemon's end
@@ -415,24 +431,54 @@ def test_the_reader_ahead_reads_in_what_a_fetch_would_copy_and_nothing_else(tmp_
 @pytest.mark.timeout(120)
 def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, source,
                                                                    mount_cachefs):
-    """A warm of a remote whose opens are fast sends its paths ahead of their fetches to the
-    daemon's reader-ahead, which ends with the daemon; the bytes are the remote's."""
-    # More than the paths a warm sends ahead before its first fetches are answered (the
-    # remote's opens not timed yet: nothing read ahead).
+    """A warm of a remote whose opens are fast hands its paths to the daemon's reader-ahead,
+    which reads them in ahead of their fetches and ends with the daemon; the bytes are the
+    remote's."""
     rels = make_files(source, 3000, size=(1, 4000), per_dir=500)
     mount = mount_cachefs(source, fraction=1.0)
     result = subprocess.run(warm_command(mount, write_list(tmp_path / "list.txt", rels)),
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert ": 3,000 fetched" in result.stdout, result.stdout
-    status = wait_for(lambda: (st := mount.status())["warm_read_ahead"]["sent"] > 0 and st,
-                      what="paths sent ahead")
-    ahead = status["warm_read_ahead"]
-    assert ahead["sent"] + ahead["dropped"] <= len(rels) - AHEAD_PATHS, ahead
+    ahead = wait_for(lambda: (st := mount.status())["warm_read_ahead"]["open"] == 0
+                     and st["warm_read_ahead"], what="the warm's read-ahead counted")
+    assert ahead["warms"] == 1 and ahead["read"] > 0 and ahead["read"] + ahead["left"] <= 3000
     assert ahead["pid"] is not None and Path(f"/proc/{ahead['pid']}").exists()
     status_text = run_cachefs("status", str(mount.path)).stdout
-    assert f"{ahead['sent']:,} files sent ahead of their fetches" in status_text, status_text
+    assert f"{ahead['read']:,} files read in ahead of their fetches" in status_text, \
+        status_text
     for rel in rels[::97]:
         assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
     mount.stop()
     wait_for(lambda: not Path(f"/proc/{ahead['pid']}").exists(), what="the reader-ahead ended")
+
+
+@pytest.mark.timeout(120)
+def test_a_remote_whose_opens_take_a_round_trip_is_not_read_ahead(tmp_path, source, remote):
+    """The reader-ahead times its own opens: against a remote whose opens take milliseconds
+    it stops once half a window of them were slow, and then tries one path a quarter second;
+    every path is still taken (the warm is never held up) and counted."""
+    import socket
+
+    from cachefs.prefetch.readahead import SLOW_PROBE_SECONDS, ReadAhead
+    from cachefs.remote.remote import OPEN_TIMES_WINDOW
+
+    rels = make_files(source, 400, size=(16, 256), per_dir=400)
+    remote.configure(open_ms=3)
+    reader = ReadAhead(str(remote.path), str(tmp_path / "data"), str(tmp_path / "mnt"),
+                       FractionAdmission(1.0))
+    theirs, ours = socket.socketpair()
+    try:
+        began = time.monotonic()
+        assert reader.take(theirs, 0) is None
+        theirs.close()
+        ours.sendall(b"".join(rel.encode() + b"\n" for rel in rels))
+        ours.close()
+        figures = wait_for(lambda: (f := reader.figures())["open"] == 0 and f, timeout=100,
+                           what="the warm counted")
+        seconds = time.monotonic() - began
+    finally:
+        reader.close()
+    assert figures["read"] + figures["left"] == len(rels), figures
+    assert OPEN_TIMES_WINDOW // 2 <= figures["read"] \
+        <= OPEN_TIMES_WINDOW // 2 + 1 + seconds / SLOW_PROBE_SECONDS, (figures, seconds)

@@ -7,8 +7,9 @@ socket, so a client needs nothing but the mount path::
 
 One request per line (``\\n``-terminated, at most MAX_LINE_BYTES); the command
 word, a space, then the argument as raw bytes (a path may hold any byte but NUL
-and newline).  ``HINT`` and ``AHEAD`` are fire-and-forget; the others get one JSON line
-back.
+and newline).  ``HINT`` is fire-and-forget; the others get one JSON line back.  A
+command of the ``takers`` (READ-AHEAD) hands its connection to another process: its answer
+is the last line the daemon sends on it.
 The README documents each command.
 
 Each connection gets a thread, up to MAX_CONNECTIONS; further connections are
@@ -61,7 +62,7 @@ COALESCED_COMMANDS = frozenset({b"OPEN", b"READ"})
 # behind that one anyway.
 FETCH_ANSWERS_HELD_SECONDS = 0.002
 # Requests answered by no line (fire-and-forget).
-UNANSWERED_COMMANDS = frozenset({b"HINT", b"AHEAD"})
+UNANSWERED_COMMANDS = frozenset({b"HINT"})
 # How often the socket's file is checked, and made again when it is gone.
 PATH_CHECK_SECONDS = 5.0
 BIND_ATTEMPTS = 3
@@ -85,11 +86,15 @@ class Reply:
 
     ``fd``, when set, travels with the line as SCM_RIGHTS ancillary data; the reply
     owns it and the server closes it once sent (or once the client is gone).
+
+    ``taken``: the connection was handed to another process (a taker's reply); this is the
+    last line sent on it here, and nothing more is read from it.
     """
 
     body: dict | bytes
     payload: bytes = b""
     fd: int | None = None
+    taken: bool = False
 
     def close(self) -> None:
         if self.fd is not None:
@@ -98,6 +103,8 @@ class Reply:
 
 
 Handler = Callable[[Peer, bytes], Reply | None]
+# A command that may take the connection itself (it gets the socket, not an argument).
+Taker = Callable[[Peer, socket.socket], Reply]
 
 
 class ControlServer:
@@ -108,9 +115,11 @@ class ControlServer:
     """
 
     def __init__(self, path: Path, handlers: dict[bytes, Handler],
-                 on_invalid: Callable[[], None] = lambda: None) -> None:
+                 on_invalid: Callable[[], None] = lambda: None,
+                 takers: dict[bytes, Taker] | None = None) -> None:
         self.path = path
         self._handlers = handlers
+        self._takers = takers or {}
         self._on_invalid = on_invalid
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -251,6 +260,14 @@ class ControlServer:
                         continue
                     command, _, argument = line.partition(b" ")
                     command = command.upper()
+                    if command in self._takers:
+                        outbox.flush()
+                        reply = self._takers[command](peer, conn)
+                        outbox.add(reply)
+                        outbox.flush()
+                        if reply.taken:
+                            return  # (its client sends nothing more before this answer)
+                        continue
                     fetch = command == b"FETCH"
                     if command not in COALESCED_COMMANDS \
                             and not (fetch and outbox.holds_quick_fetches_only()):

@@ -144,9 +144,11 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                                  f"{prefetch['failed']:,} failed; {prefetch['queued']:,} queued, "
                                  f"{prefetch['inflight']:,} in flight"))
     read_ahead = st.get("warm_read_ahead")
-    if read_ahead and (read_ahead["sent"] or read_ahead["dropped"]):
-        rows.append(("warm read-ahead", f"{read_ahead['sent']:,} files sent ahead of their "
-                                        f"fetches, {read_ahead['dropped']:,} dropped"))
+    if read_ahead and read_ahead["warms"]:
+        rows.append(("warm read-ahead", f"{read_ahead['read']:,} files read in ahead of their "
+                                        f"fetches, {read_ahead['left']:,} left alone; "
+                                        f"{read_ahead['open']:,} of {read_ahead['warms']:,} "
+                                        f"warms reading ahead now"))
     serving = st.get("serving")
     if serving and serving["restarts"]:
         rows.append(("restarts", _restarts(st, serving)))

@@ -53,12 +53,15 @@ ROUND_SECONDS = 0.002
 # The daemon answers a FETCH once the file is in the cache, bounded by its --remote-timeout.
 REPLY_TIMEOUT_SECONDS = 600.0
 PROGRESS_EVERY_SECONDS = 0.1
-# The list is read this many paths before they are fetched, each told to the daemon as it is
-# read (AHEAD), which starts the kernel reading the file where its fetch would copy it.
+# The list is read this many paths before they are fetched, each told to the daemon's
+# reader-ahead as it is read (READ-AHEAD), which starts the kernel reading the file where
+# its fetch would copy it.
 AHEAD_PATHS = 2048
-# AHEAD lines not yet taken by the daemon, at most: advice that cannot be sent at once waits
+# Paths not yet taken by the reader-ahead, at most: advice that cannot be sent at once waits
 # this far, then is dropped, never holding the FETCHes up.
 AHEAD_PENDING_BYTES = 1 << 20
+# How long the daemon may take to say whether it reads a warm's paths ahead.
+AHEAD_ANSWER_SECONDS = 5.0
 MAX_ERRORS_SHOWN = 10
 
 
@@ -137,9 +140,10 @@ def _files_per_second_column():
 
 
 class _Ahead:
-    """The list read AHEAD_PATHS paths before its paths are fetched, each told to the daemon
-    as it is read, on a connection of its own that is never waited for: a line the daemon
-    has not taken waits (up to AHEAD_PENDING_BYTES), then is dropped.
+    """The list read AHEAD_PATHS paths before its paths are fetched, each told to the
+    daemon's reader-ahead as it is read, on a connection of its own that is never waited
+    for: a path the reader-ahead has not taken waits (up to AHEAD_PENDING_BYTES), then is
+    dropped.
 
     Thread safety: used by one thread.
     """
@@ -153,7 +157,19 @@ class _Ahead:
         self._sock: socket.socket | None = None
         try:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.settimeout(AHEAD_ANSWER_SECONDS)
             self._sock.connect(target)
+            # The daemon hands the connection to its reader-ahead once it answers: nothing
+            # is sent before that.
+            self._sock.sendall(b"READ-AHEAD\n")
+            answer = b""
+            while not answer.endswith(b"\n") and len(answer) < MAX_LINE_BYTES:
+                piece = self._sock.recv(MAX_LINE_BYTES)
+                if not piece:
+                    break
+                answer += piece
+            if answer != b'{"ok":true}\n':  # refused (a cluster, too many warms), or gone
+                raise OSError("no read-ahead")
             self._sock.setblocking(False)
         except OSError:
             self.close()  # no advice then: the FETCHes alone, as slow as that is
@@ -168,7 +184,7 @@ class _Ahead:
                 self._exhausted = True
                 break
             self._queue.append(path)
-            line = b"AHEAD " + path + b"\n"
+            line = path + b"\n"
             if self._sock is not None and len(self._pending) < AHEAD_PENDING_BYTES \
                     and len(line) <= MAX_LINE_BYTES + 1 and b"\n" not in path:
                 self._pending += line
@@ -177,7 +193,7 @@ class _Ahead:
         return self._queue.popleft()
 
     def send(self) -> None:
-        """Send what the daemon's connection takes now of the lines read."""
+        """Send what the reader-ahead's connection takes now of the paths read."""
         if self._sock is None or not self._pending:
             return
         try:
@@ -185,7 +201,7 @@ class _Ahead:
         except BlockingIOError:
             return
         except OSError:
-            self.close()  # the daemon went away: the FETCHes will say so
+            self.close()  # the reader-ahead went away: the FETCHes go on without advice
             return
         del self._pending[:sent]
 

@@ -31,6 +31,7 @@ import collections
 import errno
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from cachefs.attr import Attr, Version
 from cachefs.errors import CachefsError, NotInTree, RemoteChanged
 from cachefs.metrics import Metrics
 from cachefs.prefetch.paths import Caller, normalize, resolve, searchable_directory_of
+from cachefs.prefetch.readahead import ReadAhead
 from cachefs.prefetch.staging import (
     MAX_READERS,
     StagingArea,
@@ -51,8 +53,8 @@ from cachefs.remote.attrcache import AttrCache, relpath_key
 from cachefs.remote.fetcher import Fetcher
 from cachefs.remote.handover import RemoteFiles
 from cachefs.remote.pagecache import uncached_bytes
-from cachefs.remote.readahead import ReadAhead
 from cachefs.remote.remote import Remote
+from cachefs.store.admission import ClusterAdmission
 from cachefs.store.store import CHUNK_BYTES, CacheStore, chunk_count
 
 log = logging.getLogger(__name__)
@@ -210,7 +212,11 @@ class Prefetcher:
         self._closed = False
         self._next_maintenance = 0.0
         self._concurrency = concurrency
-        self._reader_ahead = ReadAhead(remote.root, str(store.layout.data_dir))
+        # A cluster's admission follows its members, which only the daemon does: no
+        # read-ahead there (its remote's opens take a round trip anyway, as a rule).
+        self._reader_ahead = ReadAhead(
+            remote.root, str(store.layout.data_dir), mountpoint,
+            None if isinstance(store.admission, ClusterAdmission) else store.admission)
         metrics.bind_gauge(metrics.prefetch_queued_files, lambda: len(self._queue))
         metrics.bind_gauge(metrics.prefetch_inflight_files, lambda: len(self._active))
         metrics.bind_gauge(metrics.staging_bytes, lambda: staging.used_bytes)
@@ -231,7 +237,7 @@ class Prefetcher:
         self._reader_ahead.close()
 
     def read_ahead_figures(self) -> dict:
-        """The reader-ahead of warms (remote/readahead.py): its pid, paths sent, dropped."""
+        """The reader-ahead of warms (prefetch/readahead.py): see ReadAhead.figures."""
         return self._reader_ahead.figures()
 
     # -- intake (control connections) ---------------------------------------------------
@@ -445,23 +451,10 @@ class Prefetcher:
         return {"ok": True, "result": "fetched" if done else "cache_full",
                 "bytes": attr.size if done else 0}
 
-    def read_ahead(self, raw: bytes, caller: Caller | None) -> None:
-        """Have a file a warm will FETCH soon (AHEAD) read in ahead of it, where that fetch
-        would copy it (remote/readahead.py).  Advice: a path that names nothing to fetch is
-        left to its FETCH to report."""
-        if not self.remote.opens_fast:
-            # One open at a time would fall behind the warm's fetches at once, and hold the
-            # remote's round trips up: a warm of 3,000 files from the EFS-like remote ran at
-            # 1,421 - 1,453 files/s with its paths read ahead until the remote's opens were
-            # timed, against 1,496 - 1,509.  (So the paths a warm sends before its first
-            # fetches are answered are not read ahead: some 2,000 at its start.)
-            return
-        try:
-            relpath = normalize(raw, self.mountpoint)
-        except NotInTree:
-            return
-        if self.store.admitting and self.store.admission.eligible(relpath):
-            self._reader_ahead.submit(relpath, caller.uid if caller is not None else 0)
+    def take_read_ahead(self, conn: socket.socket, uid: int) -> str | None:
+        """Hand a warm's READ-AHEAD connection to the reader-ahead: None once it has it, else
+        why not (prefetch/readahead.py)."""
+        return self._reader_ahead.take(conn, uid)
 
     # -- workers ------------------------------------------------------------------------
 

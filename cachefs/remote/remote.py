@@ -224,12 +224,12 @@ class OpenTimes:
     interpreter lock; two threads storing into one slot lose a time, which only delays the
     answer)."""
 
-    def __init__(self) -> None:
-        # Slots not yet timed count as slow: the remote is fast once more than half of a
-        # window of opens were.
-        self._times = [float("inf")] * OPEN_TIMES_WINDOW
+    def __init__(self, untimed: float = float("inf")) -> None:
+        # Slots not yet timed count as taking ``untimed``: by default slow, so that the
+        # remote is fast once more than half of a window of opens were.
+        self._times = [untimed] * OPEN_TIMES_WINDOW
         self._next = 0
-        self.fast = False
+        self.fast = untimed < FAST_OPEN_SECONDS
 
     def add(self, seconds: float) -> None:
         slot = self._next

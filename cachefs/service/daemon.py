@@ -19,6 +19,7 @@ import math
 import os
 import secrets
 import signal
+import socket
 import sqlite3
 import sys
 import time
@@ -230,11 +231,11 @@ class Daemon:
                 control_path,
                 {b"STATUS": self._status_request, b"PING": self._ping_request,
                  b"HINT": self._hint_request, b"FETCH": self._fetch_request,
-                 b"AHEAD": self._ahead_request,
                  b"READ": self._read_request, b"OPEN": self._open_request,
                  b"HANDOVER": self._handover_request,
                  b"RELINQUISH": self._relinquish_request},
-                on_invalid=m.hints.labels("invalid").inc)
+                on_invalid=m.hints.labels("invalid").inc,
+                takers={b"READ-AHEAD": self._read_ahead_request})
         except BaseException:
             self.stop()
             raise
@@ -433,7 +434,7 @@ class Daemon:
                 "processes": self.remote_files.fill_processes if self.remote_files else [],
             },
             "warm_read_ahead": self.prefetcher.read_ahead_figures() if self.prefetcher
-            else {"pid": None, "sent": 0, "dropped": 0},
+            else {"pid": None, "warms": 0, "open": 0, "read": 0, "left": 0},
             "cluster": self._cluster_status(),
         }
 
@@ -496,8 +497,13 @@ class Daemon:
     def _hint_request(self, peer: Peer, argument: bytes) -> None:
         self.prefetcher.hint(argument, _caller(peer))
 
-    def _ahead_request(self, peer: Peer, argument: bytes) -> None:
-        self.prefetcher.read_ahead(argument, _caller(peer))
+    def _read_ahead_request(self, peer: Peer, conn: socket.socket) -> Reply:
+        """A warm's list read ahead of its FETCHes: the connection goes to the reader-ahead
+        (prefetch/readahead.py), which reads its paths itself."""
+        refused = self.prefetcher.take_read_ahead(conn, peer.uid)
+        if refused:
+            return Reply({"ok": False, "error": refused})
+        return Reply(b'{"ok":true}', taken=True)
 
     def _fetch_request(self, peer: Peer, argument: bytes) -> Reply:
         answer = self.prefetcher.fetch_now(argument, _caller(peer))
