@@ -160,7 +160,9 @@ class ReadAhead:
         self._started_at = now
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        mine, its = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Messages, not a stream: each warm's descriptor comes with its own uid, never glued
+        # to the next one's.
+        mine, its = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             # A session of its own: a Ctrl-C at the daemon's terminal is the daemon's.
             self._process = subprocess.Popen(
@@ -325,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         (argv if argv is not None else sys.argv[1:])[:5]
     reader = _Reader(remote_root, data_dir, mountpoint,
                      FractionAdmission(float(fraction), int(seed)))
-    daemon = socket.socket(fileno=0)  # a socket pair's end: warms come with their uid
+    daemon = socket.socket(fileno=0)  # a socket pair's end: a message per warm, with its uid
     selector = selectors.DefaultSelector()
     selector.register(daemon, selectors.EVENT_READ, None)
     while True:
@@ -338,15 +340,14 @@ def main(argv: list[str] | None = None) -> int:
                 for fd in fds[1:]:
                     os.close(fd)
                 if fds:
+                    # Left blocking (its file status is the daemon's too until the daemon
+                    # has answered on it): read only once the selector says it is readable.
                     sock = socket.socket(fileno=fds[0])
-                    sock.setblocking(False)
                     selector.register(sock, selectors.EVENT_READ,
                                       _Warm(sock, int(message.strip() or b"0")))
                 continue
             try:
                 data = warm.sock.recv(65536)
-            except BlockingIOError:
-                continue
             except OSError:
                 data = b""
             if data:
