@@ -357,47 +357,52 @@ def evict(path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_the_reader_ahead_reads_in_what_a_fetch_would_copy_and_nothing_else(tmp_path):
-    """A warm's connection is handed to a process of its own, which reads its paths in
-    order: a regular file the fraction admits and the caller may read is read in, a large one
-    only as far as READ_AHEAD_BYTES; a FIFO holds nothing up, and a symlink, a file the
-    caller may not read, one the cache holds (its check mark), one outside the fraction and
+def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing_else(
+        tmp_path):
+    """A warm's connection is handed to a process of its own, which takes its paths in
+    order: a small regular file the fraction admits and the caller may read is copied ahead
+    (the store takes the copy, whose bytes are the remote's, as the file's FETCH comes), a
+    large one read in only as far as READ_AHEAD_BYTES; a FIFO holds nothing up, and a
+    symlink, a file the caller may not read, one the cache holds, one outside the fraction and
     a path outside the mount are left alone.  What it did is counted as each warm ends."""
     import socket
 
-    from cachefs.attr import Version
-    from cachefs.prefetch.readahead import READ_AHEAD_BYTES, ReadAhead
-    from cachefs.store.index import data_key
-    from cachefs.store.layout import data_name
-    from cachefs.store.mark import mark_checked
+    from cachefs.attr import Attr
+    from cachefs.prefetch.readahead import COPY_AHEAD_MAX_BYTES, READ_AHEAD_BYTES, ReadAhead
+    from cachefs.store.store import CacheStore
 
-    remote, data_dir = tmp_path / "remote", tmp_path / "data"
+    remote = tmp_path / "remote"
     remote.mkdir()
     admission = FractionAdmission(0.5, seed=7)
+    store = CacheStore.open(tmp_path / "cache", 64 * 2**20, admission)
     names = [f"f{i}.bin" for i in range(200)]
     outside = next(n for n in names if not admission.eligible(n))
     wanted, last, large, private, cached, target = \
         [n for n in names if admission.eligible(n)][:6]
-    sizes = {wanted: 64 << 10, last: 8 << 10, large: 4 * READ_AHEAD_BYTES,
+    sizes = {wanted: 64 << 10, last: 8 << 10, large: 2 * COPY_AHEAD_MAX_BYTES,
              private: 64 << 10, cached: 64 << 10, target: 64 << 10, outside: 64 << 10}
     for name, size in sizes.items():
         (remote / name).write_bytes(random.randbytes(size))
     (remote / private).chmod(0o600)
     (remote / "link").symlink_to(target)
     os.mkfifo(remote / "fifo")
-    st = (remote / cached).stat()
-    copy = data_dir / data_name(data_key(cached.encode(), Version(st.st_size, st.st_mtime_ns)))
-    copy.parent.mkdir(parents=True)
-    copy.write_bytes((remote / cached).read_bytes())
-    with open(copy, "rb") as f:
-        mark_checked(f.fileno(), Version(st.st_size, st.st_mtime_ns))
+
+    def attr(name):
+        return Attr.from_stat((remote / name).stat())
+
+    def fill(name):
+        with open(remote / name, "rb") as src:
+            assert store.fill(name.encode(), attr(name),
+                              lambda out: os.sendfile(out, src.fileno(), 0, sizes[name]))
+
+    fill(cached)
     for name in sizes:
         evict(remote / name)
     if any(uncached(remote / name) != size for name, size in sizes.items()):
         pytest.skip("this file system keeps the pages of clean files it was told to drop")
 
     mountpoint = str(tmp_path / "mnt")
-    reader = ReadAhead(str(remote), str(data_dir), mountpoint, admission)
+    reader = ReadAhead(str(remote), store, mountpoint, admission)
     warms = [socket.socketpair() for _ in range(2)]
     try:
         for (theirs, _), uid in zip(warms, (1000, 0), strict=True):
@@ -410,20 +415,33 @@ def test_the_reader_ahead_reads_in_what_a_fetch_would_copy_and_nothing_else(tmp_
         paths = ["fifo", "link", cached, outside, f"{mountpoint}/{large}",
                  f"{mountpoint}/../{wanted}", f"{mountpoint}/x/../{wanted}", "no-such.bin", last]
         warms[1][1].sendall(b"".join(p.encode() + b"\n" for p in paths))
-        # In order: the last file read in, every earlier line was taken (the FIFO held
-        # nothing up).
-        wait_for(lambda: uncached(remote / last) == 0, what=f"{last} read in")
-        assert uncached(remote / wanted) == 0
-        assert uncached(remote / large, READ_AHEAD_BYTES) == 0
-        assert uncached(remote / large) >= 2 * READ_AHEAD_BYTES
-        for name in (private, cached, target, outside):
-            assert uncached(remote / name) == sizes[name], name
         warms[1][1].close()
         figures = wait_for(lambda: (f := reader.figures())["open"] == 0 and f,
                            what="both warms counted")
-        assert figures == {"pid": pid, "warms": 2, "open": 0, "read": 3, "left": 7}
+        assert figures == {"pid": pid, "warms": 2, "open": 0, "copied": 2, "installed": 0,
+                           "read": 3, "left": 7}
+        # The large file read in as far as a fetch's start, not copied; the files left alone
+        # not read at all.
+        assert uncached(remote / large, READ_AHEAD_BYTES) == 0
+        assert uncached(remote / large) >= COPY_AHEAD_MAX_BYTES
+        for name in (private, cached, target, outside):
+            assert uncached(remote / name) == sizes[name], name
+        # The copies go into the cache as their fetches come, with the remote's bytes; one
+        # of another version is not taken.
+        for name in (wanted, last):
+            assert store.whole(name.encode(), attr(name).version) is None
+        assert reader.install(wanted, wanted.encode(), attr(wanted))
+        changed = attr(last)._replace(mtime_ns=attr(last).mtime_ns + 1)
+        assert not reader.install(last, last.encode(), changed)
+        assert not reader.install(last, last.encode(), attr(last))  # (removed then)
+        record = store.whole(wanted.encode(), attr(wanted).version)
+        assert record is not None
+        assert store.read_chunk(wanted.encode(), record, 0) == (remote / wanted).read_bytes()
+        assert reader.figures()["installed"] == 1
+        assert not any((tmp_path / "cache" / "tmp").iterdir())
     finally:
         reader.close()
+        store.close()
     assert not Path(f"/proc/{pid}").exists()  # ended and reaped with its daemon's end
     assert reader.figures()["pid"] is None
 
@@ -432,8 +450,8 @@ def test_the_reader_ahead_reads_in_what_a_fetch_would_copy_and_nothing_else(tmp_
 def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, source,
                                                                    mount_cachefs):
     """A warm of a remote whose opens are fast hands its paths to the daemon's reader-ahead,
-    which reads them in ahead of their fetches and ends with the daemon; the bytes are the
-    remote's."""
+    which copies them ahead of their fetches, which take the copies in, and ends with the
+    daemon; the bytes are the remote's."""
     rels = make_files(source, 3000, size=(1, 4000), per_dir=500)
     mount = mount_cachefs(source, fraction=1.0)
     result = subprocess.run(warm_command(mount, write_list(tmp_path / "list.txt", rels)),
@@ -443,10 +461,11 @@ def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, sou
     ahead = wait_for(lambda: (st := mount.status())["warm_read_ahead"]["open"] == 0
                      and st["warm_read_ahead"], what="the warm's read-ahead counted")
     assert ahead["warms"] == 1 and ahead["read"] > 0 and ahead["read"] + ahead["left"] <= 3000
+    assert 0 < ahead["installed"] <= ahead["copied"], ahead  # copies taken in by the FETCHes
     assert ahead["pid"] is not None and Path(f"/proc/{ahead['pid']}").exists()
     status_text = run_cachefs("status", str(mount.path)).stdout
-    assert f"{ahead['read']:,} files read in ahead of their fetches" in status_text, \
-        status_text
+    assert f"{ahead['copied']:,} files copied ahead of their fetches " \
+           f"({ahead['installed']:,} taken in)" in status_text, status_text
     for rel in rels[::97]:
         assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
     mount.stop()
@@ -462,11 +481,12 @@ def test_a_remote_whose_opens_take_a_round_trip_is_not_read_ahead(tmp_path, sour
 
     from cachefs.prefetch.readahead import SLOW_PROBE_SECONDS, ReadAhead
     from cachefs.remote.remote import OPEN_TIMES_WINDOW
+    from cachefs.store.store import CacheStore
 
     rels = make_files(source, 400, size=(16, 256), per_dir=400)
     remote.configure(open_ms=3)
-    reader = ReadAhead(str(remote.path), str(tmp_path / "data"), str(tmp_path / "mnt"),
-                       FractionAdmission(1.0))
+    store = CacheStore.open(tmp_path / "cache", 64 * 2**20, FractionAdmission(1.0))
+    reader = ReadAhead(str(remote.path), store, str(tmp_path / "mnt"), FractionAdmission(1.0))
     theirs, ours = socket.socketpair()
     try:
         began = time.monotonic()
@@ -479,6 +499,31 @@ def test_a_remote_whose_opens_take_a_round_trip_is_not_read_ahead(tmp_path, sour
         seconds = time.monotonic() - began
     finally:
         reader.close()
+        store.close()
     assert figures["read"] + figures["left"] == len(rels), figures
     assert OPEN_TIMES_WINDOW // 2 <= figures["read"] \
         <= OPEN_TIMES_WINDOW // 2 + 1 + seconds / SLOW_PROBE_SECONDS, (figures, seconds)
+
+
+@pytest.mark.timeout(180)
+def test_a_warm_into_a_cache_too_small_keeps_what_fits_and_leaves_no_copy_behind(
+        tmp_path, source, mount_cachefs):
+    """A warm of more than the cache holds, its files copied ahead by the reader-ahead:
+    the files that fit are cached with the remote's bytes, the rest are left out and said
+    so, and no copy made ahead stays on the cache disk."""
+    rels = make_files(source, 2000, size=(8000, 16000), per_dir=500)  # some 23 MiB
+    mount = mount_cachefs(source, fraction=1.0, cache_size="12MiB")
+    result = subprocess.run(warm_command(mount, write_list(tmp_path / "list.txt", rels)),
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    fetched = int(result.stdout.split(": ")[1].split(" fetched")[0].replace(",", ""))
+    assert 0 < fetched < 2000, result.stdout
+    assert f"{2000 - fetched:,} left out (cache full)" in result.stdout, result.stdout
+    ahead = wait_for(lambda: (st := mount.status())["warm_read_ahead"]["open"] == 0
+                     and st["warm_read_ahead"], what="the warm's read-ahead counted")
+    assert ahead["copied"] > 0, ahead  # (the list's last files: the cache was full by then)
+    wait_for(lambda: not any((mount.cache_dir / "tmp").iterdir()), timeout=30,
+             what="no copy left in tmp/")
+    assert mount.metric("cachefs_cache_files") == fetched
+    for rel in rels[::41]:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel

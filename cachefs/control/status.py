@@ -145,10 +145,12 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                                  f"{prefetch['inflight']:,} in flight"))
     read_ahead = st.get("warm_read_ahead")
     if read_ahead and read_ahead["warms"]:
-        rows.append(("warm read-ahead", f"{read_ahead['read']:,} files read in ahead of their "
-                                        f"fetches, {read_ahead['left']:,} left alone; "
-                                        f"{read_ahead['open']:,} of {read_ahead['warms']:,} "
-                                        f"warms reading ahead now"))
+        rows.append(("warm read-ahead", f"{read_ahead['copied']:,} files copied ahead of their "
+                                        f"fetches ({read_ahead['installed']:,} taken in), "
+                                        f"{read_ahead['read']:,} read in or copied and "
+                                        f"{read_ahead['left']:,} left alone by the warms that "
+                                        f"ended; {read_ahead['open']:,} of "
+                                        f"{read_ahead['warms']:,} warms reading ahead now"))
     serving = st.get("serving")
     if serving and serving["restarts"]:
         rows.append(("restarts", _restarts(st, serving)))

@@ -215,8 +215,9 @@ class Prefetcher:
         # A cluster's admission follows its members, which only the daemon does: no
         # read-ahead there (its remote's opens take a round trip anyway, as a rule).
         self._reader_ahead = ReadAhead(
-            remote.root, str(store.layout.data_dir), mountpoint,
-            None if isinstance(store.admission, ClusterAdmission) else store.admission)
+            remote.root, store, mountpoint,
+            None if isinstance(store.admission, ClusterAdmission) else store.admission,
+            count_read=remote.count_read)
         metrics.bind_gauge(metrics.prefetch_queued_files, lambda: len(self._queue))
         metrics.bind_gauge(metrics.prefetch_inflight_files, lambda: len(self._active))
         metrics.bind_gauge(metrics.staging_bytes, lambda: staging.used_bytes)
@@ -443,6 +444,8 @@ class Prefetcher:
             return {"ok": True, "result": "cached", "bytes": attr.size}
         if not eligible:
             return {"ok": True, "result": "not_admitted", "bytes": 0}
+        if self._reader_ahead.install(relpath, key, attr):  # copied ahead of this FETCH
+            return {"ok": True, "result": "fetched", "bytes": attr.size}
         try:
             self._fetch_into_cache(relpath, key, attr)
         except (OSError, CachefsError) as exc:

@@ -220,6 +220,10 @@ def _checked_as(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
 
 
+# The name a warm's fill-ahead gives its copies under tmp/ (each tagged by its writer).
+AHEAD_TAG = "ahead"
+
+
 class FillPlace(NamedTuple):
     """Where a fill written by another process goes, and the room held for it."""
 
@@ -974,6 +978,57 @@ class CacheStore:
         if fan_bytes is not None:
             self._set_fan_bytes_locked(new.fan, fan_bytes)
         self._measure_index_locked()
+
+    # -- copies made ahead of their fetch (prefetch/readahead.py) -----------------------------
+
+    def ahead_path(self, key: bytes, version: Version) -> str:
+        """Where a warm's fill-ahead writes its copy of this version of ``key``, under tmp/."""
+        return self.layout.tmp_path(self.layout.data_path(data_key(key, version)), AHEAD_TAG)
+
+    def install_ahead(self, key: bytes, attr: Attr, checksums: Sequence[int],
+                      allocated: int) -> bool:
+        """Index the whole copy of ``attr``'s version of ``key`` that the fill-ahead wrote,
+        hashed and marked at :meth:`ahead_path`: renamed to its own name, then indexed as a
+        fill written in place is.  False, the copy removed, when the file is not admitted or
+        does not fit, anything of it is indexed already (the copy would replace its data
+        file), or a fill or a chunk write of it is under way (its name is theirs).  The
+        caller fetches it as ever then."""
+        tmp = self.ahead_path(key, attr.version)
+        final = self.layout.data_path(data_key(key, attr.version))
+        need = self._reserve(key, attr, attr.size)
+        if not need:
+            unlink_quietly(tmp)
+            return False
+        try:
+            with self._lock:
+                claimed = not self._closing and final not in self._filling \
+                    and not self._chunk_writes[final] and self.index.get_file(key) is None
+                if claimed:
+                    self._filling.add(final)
+            if not claimed:
+                unlink_quietly(tmp)
+                return False
+            new = NewFile(-1, final, final)
+            try:
+                try:
+                    os.rename(tmp, final)
+                except FileNotFoundError:
+                    if not os.path.exists(tmp):
+                        raise
+                    os.makedirs(os.path.dirname(final), 0o700, exist_ok=True)  # its first
+                    os.rename(tmp, final)
+                return self._index_in_place(key, attr, new, checksums, allocated,
+                                            os.stat(final))
+            except FileNotFoundError:  # no copy (removed by a sweep): nothing to index
+                self._unclaim(final)
+                return False
+            except (OSError, sqlite3.Error) as exc:
+                self._discard(new)
+                unlink_quietly(tmp)
+                self._pause_admission(exc)
+                return False
+        finally:
+            self._unreserve(need)
 
     # -- fills written by another process (remote/fillprocess.py) ----------------------------
 
