@@ -58,6 +58,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import selectors
 import socket
 import stat
@@ -225,8 +226,11 @@ class ReadAhead:
             if sock is None:
                 return
             try:
-                sock.send(_PAUSE, socket.MSG_DONTWAIT)
-            except OSError:  # full (it is behind): it hears at the next failed install
+                # Only when it has room (a socket with a timeout waits for room even when
+                # asked not to): else it hears at the next failed install.
+                if select.select([], [sock], [], 0)[1]:
+                    sock.send(_PAUSE)
+            except OSError:
                 pass
 
     def _answers(self, sock: socket.socket) -> None:
