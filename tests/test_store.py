@@ -413,6 +413,40 @@ def test_random_stress_of_store_against_a_model(open_store):
     assert recounted == tracked
 
 
+def test_the_cache_dirs_own_bytes_skip_a_file_renamed_while_they_are_counted(
+        tmp_path, monkeypatch):
+    """A file of the cache dir renamed while the scrub counts the directory's own bytes (a
+    close renames clean-stop.tmp into place meanwhile) is skipped: the count goes on, and
+    the thread that asked lives."""
+
+    from cachefs.store import layout as layout_module
+    from cachefs.store.layout import CacheLayout
+
+    layout = CacheLayout(tmp_path / "cache", CHUNK_BYTES)
+    layout.prepare()
+    written = layout.root / "clean-stop.tmp"
+    written.write_bytes(b"x" * 100_000)
+    with_it = layout.fixed_bytes()
+    listing = os.scandir
+
+    def renamed_once_listed(path):
+        # The rename lands between the listing of a name and the stat of its file, as
+        # a close's does on another thread.
+        with listing(path) as entries:
+            for entry in entries:
+                if entry.path == str(written):
+                    os.rename(written, layout.root / "clean-stop.json")
+                yield entry
+
+    monkeypatch.setattr(layout_module.os, "scandir", renamed_once_listed)
+    without_it = layout.fixed_bytes()
+    monkeypatch.undo()
+    assert not written.exists()
+    # The renamed file is counted at most once (under its new name, when the listing
+    # still met it), never twice.
+    assert without_it <= with_it
+
+
 def test_chunks_written_at_once_into_a_new_directory_all_land(tmp_path):
     """Writers racing to create the same fan-out directory all succeed."""
 

@@ -486,8 +486,11 @@ class CacheLayout:
         for path in (self.root, self.index_dir, self.data_dir, self.tmp_dir):
             total += allocated_bytes(os.stat(path))
         for entry in os.scandir(self.root):
-            if entry.is_file(follow_symlinks=False):
-                total += allocated_bytes(entry.stat(follow_symlinks=False))
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    total += allocated_bytes(entry.stat(follow_symlinks=False))
+            except FileNotFoundError:  # renamed meanwhile: clean-stop.tmp at a close
+                continue
         return total
 
     def fan_dir_bytes(self) -> dict[str, int]:
