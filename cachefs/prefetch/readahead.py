@@ -17,14 +17,15 @@ of its own (READ-AHEAD), and the daemon hands that connection, with the caller's
 reader-ahead (SCM_RIGHTS over a socket pair), which reads the paths from it itself.
 
 Nor do most of its fills: a small file (COPY_AHEAD_MAX_BYTES) the reader-ahead also copies
-ahead, hashed and marked as a fill's copy is (copy_and_hash), to the name under tmp/ the
-store gives it (CacheStore.ahead_path), and tells the daemon; the file's FETCH then takes the
-copy in (CacheStore.install_ahead: a rename and a record) when it is of the version the FETCH
-resolved, and fetches the file as ever otherwise.  A fill in the daemon is a remote open, a
-create, the copy, the hash, the mark and the record, each a turn at the interpreter lock; the
-copy's two processes share the work across cores.  Of what a warm sent since it last looked,
-the reader-ahead takes the newest NEWEST_PATHS paths, the furthest ahead of their FETCHes
-(the older ones are the FETCHes' to fill), reads them all in at once, then copies them.
+ahead, as a fill process copies, hashes and marks a file (fillprocess.fill_one), to the name
+under tmp/ the cache's layout gives it (CacheLayout.ahead_path), and tells the daemon; the
+file's FETCH then takes the copy in (CacheStore.install_ahead: a rename and a record) when
+it is of the version the FETCH resolved, and fetches the file as ever otherwise.  A fill in
+the daemon is a remote open, a create, the copy, the hash, the mark and the record, each a
+turn at the interpreter lock; the copy's two processes share the work across cores.  Of what
+a warm sent since it last looked, the reader-ahead takes the newest NEWEST_PATHS paths, the
+furthest ahead of their FETCHes (the older ones are the FETCHes' to fill), reads them all in
+at once, then copies them.
 100,000 files of 4 KiB of a million, pages dropped, on a busy 2-core host, in turns: 4,351 -
 4,561 files/s at 180 - 204 us of the daemon's CPU per file (91 - 96 % of the files copied
 ahead), against 3,228 - 3,354 at 286 - 295 with the reader-ahead reading the files in only;
@@ -50,12 +51,14 @@ for it CLOSE_SECONDS, then as long again once killed.
 
 Thread safety (daemon side): ``_lock`` guards the process, its socket, the copies told and
 the figures; it is a leaf lock (the store is looked in and written to outside it).  What the
-reader-ahead tells is read on a thread of its own.
+reader-ahead tells is read on a thread of its own, which the daemon's stop waits for before
+the store closes.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import select
@@ -67,19 +70,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 from cachefs import limits
 from cachefs.attr import Attr, Version
-from cachefs.errors import CachefsError, CacheUnavailable, NotInTree
+from cachefs.errors import NotInTree
 from cachefs.prefetch.paths import normalize
-from cachefs.remote.copy import send_checked
+from cachefs.remote.fillprocess import COPIED, DISK, fill_one
 from cachefs.remote.remote import OpenTimes
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.index import data_key
-from cachefs.store.layout import allocated_bytes, data_name, unlink_quietly
+from cachefs.store.layout import CacheLayout, unlink_quietly
 from cachefs.store.mark import marked_as
-from cachefs.store.store import AHEAD_TAG, CacheStore, copy_and_hash
+from cachefs.store.store import CHUNK_BYTES, CacheStore
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +163,7 @@ class ReadAhead:
     def __init__(self, remote_root: str, store: CacheStore, mountpoint: str,
                  admission: FractionAdmission | None,
                  count_read: Callable[[int], None] = lambda nbytes: None) -> None:
-        self._argv = [remote_root, str(store.layout.data_dir), str(store.layout.tmp_dir),
-                      mountpoint]
+        self._argv = [remote_root, str(store.layout.root), mountpoint]
         if admission is not None:
             self._argv += [repr(admission.fraction), str(admission.seed)]
         self._store = store
@@ -168,6 +171,7 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self._socket: socket.socket | None = None
+        self._answering: threading.Thread | None = None  # reads what the process tells
         self._started_at = -RESTART_SECONDS
         self._closed = admission is None
         # The copies the reader-ahead made, oldest first: relpath -> what it copied.
@@ -250,12 +254,13 @@ class ReadAhead:
                     ended, copies = _parse(message)
             except ValueError:  # never from the reader-ahead: not trusted further
                 log.warning("the reader-ahead told what cannot be read: ignored")
-            # A copy whose FETCH came first is of a file held already: removed at once.
-            gone = [(relpath, copied.version) for relpath, copied in copies
-                    if self._store.whole(relpath, copied.version) is not None]
+            # A copy whose FETCH came first is of a file held already: removed at once.  (The
+            # store closes only once this thread has ended: close.)
+            gone = {(relpath, copied.version) for relpath, copied in copies
+                    if self._store.whole(relpath, copied.version) is not None}
             with self._lock:
                 if self._socket is not sock:
-                    gone += [(relpath, copied.version) for relpath, copied in copies]
+                    gone.update((relpath, copied.version) for relpath, copied in copies)
                     copies = []
                 elif message == b"":  # it ended: its warms went on without advice
                     self.open = 0
@@ -270,9 +275,9 @@ class ReadAhead:
                     path = os.fsdecode(relpath)
                     old = self._copies.pop(path, None)
                     if old is not None and old.version != copied.version:
-                        gone.append((relpath, old.version))
+                        gone.add((relpath, old.version))
                     self._copies[path] = copied
-                gone += self._expired_locked()
+                gone.update(self._expired_locked())
                 stopped = self._socket is not sock or message == b""
             for relpath, version in gone:
                 unlink_quietly(self._store.ahead_path(relpath, version))
@@ -321,8 +326,9 @@ class ReadAhead:
         # A reader-ahead that takes no new warm within this long is taken for stuck.
         mine.settimeout(SEND_SECONDS)
         self._socket = mine
-        threading.Thread(target=self._answers, args=(mine,), name="reader-ahead",
-                         daemon=True).start()
+        self._answering = threading.Thread(target=self._answers, args=(mine,),
+                                           name="reader-ahead", daemon=True)
+        self._answering.start()
         try:
             # Its waits are its own, on any CPU: the daemon's threads may keep to one
             # (service/affinity.py), which the process inherited.
@@ -336,6 +342,10 @@ class ReadAhead:
         sock, self._socket = self._socket, None
         self.open = 0
         if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the answers' thread in its recv
+            except OSError:
+                pass
             sock.close()  # it ends at that, its warms' connections with it
         for relpath, copied in self._copies.items():
             unlink_quietly(self._store.ahead_path(os.fsencode(relpath), copied.version))
@@ -366,13 +376,17 @@ class ReadAhead:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            answering, self._answering = self._answering, None
             self._stop_locked()
+        # The store closes after this: an answer being handled still looks in it.
+        if answering is not None:
+            answering.join(CLOSE_SECONDS)
 
 
 # -- the reader-ahead process -------------------------------------------------------------
 
 
-def read_ahead_one(remote_root: str, data_dir: str, uid: int, relpath: bytes,
+def read_ahead_one(remote_root: str, layout: CacheLayout, uid: int, relpath: bytes,
                    open_times: OpenTimes | None = None) -> tuple[int, Version] | None:
     """Have the kernel read ``relpath`` of the remote in, for a caller of ``uid``: its open
     descriptor (the caller's to close) and version once asked, else None.  Only a regular
@@ -393,7 +407,7 @@ def read_ahead_one(remote_root: str, data_dir: str, uid: int, relpath: bytes,
         st = os.fstat(fd)
         version = Version(st.st_size, st.st_mtime_ns)
         if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino) or not st.st_size \
-                or _cached(data_dir, relpath, version):
+                or _cached(layout, relpath, version):
             os.close(fd)
             return None
         os.posix_fadvise(fd, 0, min(st.st_size, READ_AHEAD_BYTES), os.POSIX_FADV_WILLNEED)
@@ -410,10 +424,10 @@ def _readable_by(st: os.stat_result, uid: int) -> bool:
         or (st.st_uid == uid and st.st_mode & stat.S_IRUSR != 0)
 
 
-def _cached(data_dir: str, relpath: bytes, version: Version) -> bool:
+def _cached(layout: CacheLayout, relpath: bytes, version: Version) -> bool:
     """Whether the cache holds this version of the file whole, as its check mark says."""
     try:
-        fd = os.open(f"{data_dir}/{data_name(data_key(relpath, version))}",
+        fd = os.open(layout.data_path(data_key(relpath, version)),
                      os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
@@ -425,14 +439,13 @@ def _cached(data_dir: str, relpath: bytes, version: Version) -> bool:
 
 class _Copier:
     """Copies of small files made ahead of their fetch, where the daemon takes them from
-    (CacheStore.ahead_path: the name under tmp/ of the file's data file, tagged AHEAD_TAG),
+    (CacheLayout.ahead_path: the name under tmp/ of the file's data file),
     told to the daemon in batches.  At most COPIES_AHEAD not taken yet, of COPIES_AHEAD_BYTES:
     the oldest is looked for before another is made (the daemon renames a copy it takes,
     removes one it does not)."""
 
-    def __init__(self, data_dir: str, tmp_dir: str, daemon: socket.socket) -> None:
-        self._data_prefix = f"{data_dir}/"
-        self._tmp_prefix = f"{tmp_dir}/"
+    def __init__(self, layout: CacheLayout, daemon: socket.socket) -> None:
+        self._layout = layout
         self._daemon = daemon
         self._made: collections.deque[tuple[str, int]] = collections.deque()  # (path, bytes)
         self._made_bytes = 0
@@ -444,35 +457,18 @@ class _Copier:
         copy was made."""
         if version.size > COPY_AHEAD_MAX_BYTES or not self._room(version.size):
             return False
-        final = self._data_prefix + data_name(data_key(relpath, version))
-        tmp = f"{self._tmp_prefix}{final[-30:]}.{AHEAD_TAG}"
-        try:
-            # Never over a copy the daemon has not taken (it may be renaming it now).
-            out = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                          | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
+        tmp = self._layout.ahead_path(data_key(relpath, version))
+        # Never over a copy the daemon has not taken (it may be renaming it now).
+        outcome = fill_one(src, tmp, version, exclusive=True)
+        if outcome.kind != COPIED:
+            if outcome.kind == DISK and outcome.errno != errno.EEXIST:
+                self.pause()  # the cache disk refused it; else the remote's: read it in
             return False
-        except OSError:
-            self.pause()
-            return False
-        whole = False
-        try:
-            (checksum,), written = copy_and_hash(
-                out, version, lambda fd: send_checked(src, fd, version))
-            whole = True
-        except CacheUnavailable:
-            self.pause()
-            return False
-        except (OSError, CachefsError, ValueError):  # the remote's: read it in instead
-            return False
-        finally:
-            os.close(out)
-            if not whole:
-                unlink_quietly(tmp)
         self._made.append((tmp, version.size))
         self._made_bytes += version.size
         self._told.append(b"%d %d %d %d %s" % (version.size, version.mtime_ns,
-                                               allocated_bytes(written), checksum, relpath))
+                                               outcome.allocated, outcome.checksums[0],
+                                               relpath))
         if len(self._told) >= COPIES_PER_MESSAGE:
             self.tell()
         return True
@@ -515,10 +511,10 @@ class _Reader:
     opens are timed here, by the only thread that makes them: untimed slots count as fast,
     so that a warm is read ahead from its first path."""
 
-    def __init__(self, remote_root: str, data_dir: str, mountpoint: str,
-                 admission: FractionAdmission, copier: _Copier | None) -> None:
+    def __init__(self, remote_root: str, layout: CacheLayout, mountpoint: str,
+                 admission: FractionAdmission, copier: _Copier) -> None:
         self.remote_root = remote_root
-        self.data_dir = data_dir
+        self.layout = layout
         self.mountpoint = mountpoint
         self.admission = admission
         self.copier = copier
@@ -541,12 +537,10 @@ class _Reader:
                 opened.append(done)
         for relpath, fd, version in opened:
             try:
-                if self.copier is not None:
-                    self.copier.copy(fd, relpath, version)
+                self.copier.copy(fd, relpath, version)
             finally:
                 os.close(fd)
-        if self.copier is not None:
-            self.copier.tell()
+        self.copier.tell()
 
     def _one(self, uid: int, raw: bytes) -> tuple[bytes, int, Version] | None:
         try:
@@ -561,7 +555,7 @@ class _Reader:
                 return None
             self._next_probe = now + SLOW_PROBE_SECONDS
         key = os.fsencode(relpath)
-        done = read_ahead_one(self.remote_root, self.data_dir, uid, key, self.open_times)
+        done = read_ahead_one(self.remote_root, self.layout, uid, key, self.open_times)
         return None if done is None else (key, *done)
 
 
@@ -597,12 +591,14 @@ def _newest(warm: _Warm) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    remote_root, data_dir, tmp_dir, mountpoint, fraction, seed = \
-        (argv if argv is not None else sys.argv[1:])[:6]
+    remote_root, cache_dir, mountpoint, fraction, seed = \
+        (argv if argv is not None else sys.argv[1:])[:5]
     daemon = socket.socket(fileno=0)  # a socket pair's end: a message per warm, with its uid
-    reader = _Reader(remote_root, data_dir, mountpoint,
-                     FractionAdmission(float(fraction), int(seed)),
-                     _Copier(data_dir, tmp_dir, daemon))
+    # The daemon's cache, its names only: this process opens nothing of it but data files
+    # (read) and its copies under tmp/ (created).
+    layout = CacheLayout(Path(cache_dir), CHUNK_BYTES)
+    reader = _Reader(remote_root, layout, mountpoint,
+                     FractionAdmission(float(fraction), int(seed)), _Copier(layout, daemon))
     selector = selectors.DefaultSelector()
     selector.register(daemon, selectors.EVENT_READ, None)
     while True:

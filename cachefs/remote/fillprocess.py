@@ -91,11 +91,14 @@ class Outcome(NamedTuple):
 
 # -- the fill process -----------------------------------------------------------------------
 
-def fill_one(src: int, tmp: str, version: Version) -> Outcome:
+def fill_one(src: int, tmp: str, version: Version, exclusive: bool = False) -> Outcome:
     """Copy ``src`` into ``tmp`` and hash it: the outcome.  ``tmp`` is left for the daemon
-    to rename into place when the copy is whole, removed otherwise."""
+    to rename into place when the copy is whole, removed otherwise.  ``exclusive``: never
+    over a file already there (a copy the daemon may be renaming: DISK with EEXIST)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC \
+        | (os.O_EXCL if exclusive else os.O_TRUNC)
     try:
-        out = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        out = os.open(tmp, flags, 0o600)
     except OSError as exc:
         return Outcome(DISK, exc.errno or errno.EIO, f"creating the copy: {exc.strerror}")
     whole = False

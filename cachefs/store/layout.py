@@ -54,6 +54,8 @@ OLDER_FORMATS = frozenset({1})
 MARKER_NAME = "cachefs-cache.json"
 # What an emptied cache's subdirectories are renamed to, under the cache dir, until removed.
 TRASH_PREFIX = "trash."
+# The tag of a warm's fill-ahead copies under tmp/ (each writer tags its temporary files).
+AHEAD_TAG = "ahead"
 # How often a successor waiting for the cache dir tries its lock again.
 LOCK_POLL_SECONDS = 0.01
 # Allocation granularity assumed when the filesystem has not yet told us
@@ -334,6 +336,12 @@ class CacheLayout:
         """The temporary file under tmp/ of a fill of the data file ``final`` (by the writer
         ``tag`` names: a thread, a fill process's job)."""
         return f"{self._tmp_prefix}{final[-30:]}.{tag}"
+
+    def ahead_path(self, key: bytes) -> str:
+        """Where a warm's fill-ahead (prefetch/readahead.py, a process of its own) writes its
+        copy of the data file of ``key`` (a data key: the file's and its version's), and
+        where the daemon takes it from (CacheStore.install_ahead)."""
+        return self.tmp_path(self.data_path(key), AHEAD_TAG)
 
     def install(self, new: NewFile) -> None:
         """Rename a filled temporary file into place as its data file (nothing for one

@@ -220,10 +220,6 @@ def _checked_as(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
 
 
-# The name a warm's fill-ahead gives its copies under tmp/ (each tagged by its writer).
-AHEAD_TAG = "ahead"
-
-
 class FillPlace(NamedTuple):
     """Where a fill written by another process goes, and the room held for it."""
 
@@ -983,7 +979,7 @@ class CacheStore:
 
     def ahead_path(self, key: bytes, version: Version) -> str:
         """Where a warm's fill-ahead writes its copy of this version of ``key``, under tmp/."""
-        return self.layout.tmp_path(self.layout.data_path(data_key(key, version)), AHEAD_TAG)
+        return self.layout.ahead_path(data_key(key, version))
 
     def install_ahead(self, key: bytes, attr: Attr, checksums: Sequence[int],
                       allocated: int) -> bool:
@@ -1008,23 +1004,17 @@ class CacheStore:
             if not claimed:
                 unlink_quietly(tmp)
                 return False
-            new = NewFile(-1, final, final)
+            new = NewFile(-1, final, final)  # once renamed, as a fill written in place
             try:
                 try:
-                    os.rename(tmp, final)
-                except FileNotFoundError:
-                    if not os.path.exists(tmp):
-                        raise
-                    os.makedirs(os.path.dirname(final), 0o700, exist_ok=True)  # its first
-                    os.rename(tmp, final)
+                    self.layout.install(NewFile(-1, tmp, final))  # tmp removed if it fails
+                except FileNotFoundError:  # no copy (removed by a sweep): nothing to index
+                    self._unclaim(final)
+                    return False
                 return self._index_in_place(key, attr, new, checksums, allocated,
                                             os.stat(final))
-            except FileNotFoundError:  # no copy (removed by a sweep): nothing to index
-                self._unclaim(final)
-                return False
             except (OSError, sqlite3.Error) as exc:
                 self._discard(new)
-                unlink_quietly(tmp)
                 self._pause_admission(exc)
                 return False
         finally:
