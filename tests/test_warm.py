@@ -357,6 +357,20 @@ def evict(path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def copies_held_open(cache_dir: Path, pid: int | str = "self") -> list[str]:
+    """This process's descriptors of files under the cache's tmp/ (a copy ahead waiting is
+    an unnamed file there, "tmp/#123 (deleted)")."""
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith(f"{cache_dir}/tmp/"):
+            held.append(target)
+    return held
+
+
 def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing_else(
         tmp_path):
     """A warm's connection is handed to a process of its own, which takes its paths in
@@ -420,6 +434,7 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
                            what="both warms counted")
         assert figures == {"pid": pid, "warms": 2, "open": 0, "copied": 2, "installed": 0,
                            "read": 3, "left": 7}
+        assert len(copies_held_open(tmp_path / "cache")) == 2  # the daemon's, until taken
         # The large file read in as far as a fetch's start, not copied; the files left alone
         # not read at all.
         assert uncached(remote / large, READ_AHEAD_BYTES) == 0
@@ -438,6 +453,9 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
         assert record is not None
         assert store.read_chunk(wanted.encode(), record, 0) == (remote / wanted).read_bytes()
         assert reader.figures()["installed"] == 1
+        # Each copy was an unnamed file, closed once taken in or dropped: none is held
+        # open, and none has a name left to sweep.
+        assert copies_held_open(tmp_path / "cache") == []
         assert not any((tmp_path / "cache" / "tmp").iterdir())
     finally:
         reader.close()

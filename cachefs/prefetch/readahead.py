@@ -17,24 +17,25 @@ of its own (READ-AHEAD), and the daemon hands that connection, with the caller's
 reader-ahead (SCM_RIGHTS over a socket pair), which reads the paths from it itself.
 
 Nor do most of its fills: a small file (COPY_AHEAD_MAX_BYTES) the reader-ahead also copies
-ahead, as a fill process copies, hashes and marks a file (fillprocess.fill_one), to the name
-under tmp/ the cache's layout gives it (CacheLayout.ahead_path), and tells the daemon; the
-file's FETCH then takes the copy in (CacheStore.install_ahead: a rename and a record) when
-it is of the version the FETCH resolved, and fetches the file as ever otherwise.  A fill in
-the daemon is a remote open, a create, the copy, the hash, the mark and the record, each a
-turn at the interpreter lock; the copy's two processes share the work across cores.  Of what
-a warm sent since it last looked, the reader-ahead takes the newest NEWEST_PATHS paths, the
-furthest ahead of their FETCHes (the older ones are the FETCHes' to fill), reads them all in
-at once, then copies them.
+ahead, as a fill process copies, hashes and marks a file (fillprocess.fill_into), into an
+unnamed file of the cache's disk (O_TMPFILE), which it hands to the daemon with what it
+holds; the file's FETCH then links the copy in at its data file's name and indexes it
+(CacheStore.install_ahead) when it is of the version the FETCH resolved, and fetches the
+file as ever otherwise.  A fill in the daemon is a remote open, a create, the copy, the
+hash, the mark and the record, each a turn at the interpreter lock; the copy's two processes
+share the work across cores.  Of what a warm sent since it last looked, the reader-ahead
+takes the newest NEWEST_PATHS paths, the furthest ahead of their FETCHes (the older ones are
+the FETCHes' to fill), reads them all in at once, then copies them.
 100,000 files of 4 KiB of a million, pages dropped, on a busy 2-core host, in turns: 4,351 -
 4,561 files/s at 180 - 204 us of the daemon's CPU per file (91 - 96 % of the files copied
 ahead), against 3,228 - 3,354 at 286 - 295 with the reader-ahead reading the files in only;
 the reader-ahead's own CPU rose from some 110 to 180 us per file.  At most COPIES_AHEAD
-copies, of COPIES_AHEAD_BYTES, wait for their FETCH at once; one no FETCH took within
-COPY_KEPT_SECONDS is removed (a warm killed), and so is every one at the daemon's stop (and
-any left by a crash, with tmp/, at the next start).  While the cache takes no files (its
-budget used, its disk refusing writes), the daemon tells the reader-ahead so, and it makes no
-copy for DISK_PAUSE_SECONDS.
+copies, of COPIES_AHEAD_BYTES, wait for their FETCH at once (a newer one is dropped); one no
+FETCH took within COPY_KEPT_SECONDS is dropped (a warm killed), and so is every one at the
+daemon's stop.  A copy has no name until its FETCH links it in: a dropped one, or one a crash
+cut short, goes with its last descriptor, and none is left behind to sweep.  While the cache
+takes no files (its budget used, its disk refusing writes), the daemon tells the reader-ahead
+so, and it makes no copy for DISK_PAUSE_SECONDS.
 
 Advice only, bounded and never waited for: the warm drops paths the reader-ahead is too slow
 to take; it reads at most READ_AHEAD_BYTES of a file; a file the cache holds (its check
@@ -61,6 +62,7 @@ import collections
 import errno
 import logging
 import os
+import resource
 import select
 import selectors
 import socket
@@ -69,7 +71,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -77,11 +79,11 @@ from cachefs import limits
 from cachefs.attr import Attr, Version
 from cachefs.errors import NotInTree
 from cachefs.prefetch.paths import normalize
-from cachefs.remote.fillprocess import COPIED, DISK, fill_one
+from cachefs.remote.fillprocess import COPIED, DISK, fill_into
 from cachefs.remote.remote import OpenTimes
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.index import data_key
-from cachefs.store.layout import CacheLayout, unlink_quietly
+from cachefs.store.layout import CacheLayout
 from cachefs.store.mark import marked_as
 from cachefs.store.store import CHUNK_BYTES, CacheStore
 
@@ -102,7 +104,9 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 # COPIES_AHEAD of them not taken yet; told to the daemon COPIES_PER_MESSAGE at a time (and
 # at the end of what a warm sent at once).
 COPY_AHEAD_MAX_BYTES = 1 << 20
-COPIES_AHEAD = 4096  # over a warm's AHEAD_PATHS: a copy waits that many paths for its FETCH
+# Over a warm's AHEAD_PATHS: a copy waits that many paths for its FETCH.  Past it (or its
+# bytes), a new copy is dropped, not an older one: the older are the nearer to their FETCHes.
+COPIES_AHEAD = 4096
 COPIES_AHEAD_BYTES = 64 << 20
 COPIES_PER_MESSAGE = 32
 # A copy no FETCH took within this long is removed (a warm killed, a path of another name).
@@ -127,31 +131,36 @@ _PAUSE = b"P"
 MESSAGE_BYTES = 1 << 18  # over COPIES_PER_MESSAGE lines of the longest paths
 
 
-def _parse(message: bytes) -> tuple[tuple[int, int] | None, list[tuple[bytes, _Copied]]]:
+def _parse(message: bytes, fds: list[int]
+           ) -> tuple[tuple[int, int] | None, list[tuple[bytes, _Copied]]]:
     """A message of the reader-ahead's: a warm's counts (read, left) as it ended, or the
-    copies it made.  ValueError for anything else."""
+    copies it made, with their descriptors ``fds``, one a line.  ValueError for anything
+    else (the caller closes ``fds``)."""
     kind, _, body = message.partition(b"\n")
-    if kind == _ENDED:
+    if kind == _ENDED and not fds:
         read, left = body.split()
         return (int(read), int(left)), []
-    if kind != _COPIES:
+    lines = body.split(b"\n")
+    if kind != _COPIES or len(lines) != len(fds):
         raise ValueError(kind)
     now = time.monotonic()
     copies = []
-    for line in body.split(b"\n"):
+    for line, fd in zip(lines, fds, strict=True):
         size, mtime_ns, allocated, checksum, relpath = line.split(b" ", 4)
         copies.append((relpath, _Copied(Version(int(size), int(mtime_ns)), int(allocated),
-                                        int(checksum), now)))
+                                        int(checksum), now, fd)))
     return None, copies
 
 
 class _Copied(NamedTuple):
-    """A copy the fill-ahead made of a file (at CacheStore.ahead_path), not taken yet."""
+    """A copy the fill-ahead made of a file, not taken yet: an unnamed file of the cache's
+    disk (O_TMPFILE), open at ``fd`` (the daemon's to close)."""
 
     version: Version
     allocated: int
     checksum: int
     at: float
+    fd: int
 
 
 class ReadAhead:
@@ -174,8 +183,11 @@ class ReadAhead:
         self._answering: threading.Thread | None = None  # reads what the process tells
         self._started_at = -RESTART_SECONDS
         self._closed = admission is None
-        # The copies the reader-ahead made, oldest first: relpath -> what it copied.
+        # The copies the reader-ahead made, oldest first: relpath -> what it copied.  Each
+        # descriptor is closed by whoever takes its copy out of the table.
         self._copies: collections.OrderedDict[str, _Copied] = collections.OrderedDict()
+        self._copies_bytes = 0
+        self._max_copies = COPIES_AHEAD
         self.warms = 0  # connections handed to the reader-ahead
         self.open = 0  # of those, not ended yet (as far as it told)
         self.read = 0  # paths it read in (of the warms that ended)
@@ -210,15 +222,18 @@ class ReadAhead:
         version is removed; the caller fetches the file as ever."""
         with self._lock:
             copied = self._copies.pop(relpath, None)
+            if copied is not None:
+                self._copies_bytes -= copied.version.size
         if copied is None:
             return False
-        if copied.version != attr.version:
-            unlink_quietly(self._store.ahead_path(key, copied.version))
-            return False
-        if not self._store.install_ahead(key, attr, (copied.checksum,), copied.allocated):
-            if not self._store.admitting:  # the copies would go for nothing a while
-                self._pause_copies()
-            return False
+        try:
+            if copied.version != attr.version or not self._store.install_ahead(
+                    key, attr, (copied.checksum,), copied.allocated, copied.fd):
+                if not self._store.admitting:  # the copies would go for nothing a while
+                    self._pause_copies()
+                return False
+        finally:
+            os.close(copied.fd)
         self._count_read(attr.size)
         with self._lock:
             self.installed += 1
@@ -242,8 +257,13 @@ class ReadAhead:
         counts of each warm as it ends.  The store is looked in, and copies removed,
         outside the lock."""
         while True:
+            fds: list[int] = []
             try:
-                message = sock.recv(MESSAGE_BYTES)
+                message, fds, flags, _ = socket.recv_fds(sock, MESSAGE_BYTES,
+                                                         COPIES_PER_MESSAGE)
+                if flags & socket.MSG_CTRUNC:  # out of descriptors: these copies dropped
+                    _close_all(fds)
+                    fds, message = [], None
             except TimeoutError:
                 message = None
             except OSError:
@@ -251,16 +271,17 @@ class ReadAhead:
             ended, copies = None, []
             try:
                 if message:
-                    ended, copies = _parse(message)
+                    ended, copies = _parse(message, fds)
             except ValueError:  # never from the reader-ahead: not trusted further
                 log.warning("the reader-ahead told what cannot be read: ignored")
-            # A copy whose FETCH came first is of a file held already: removed at once.  (The
+                _close_all(fds)
+            # A copy whose FETCH came first is of a file held already: dropped at once.  (The
             # store closes only once this thread has ended: close.)
-            gone = {(relpath, copied.version) for relpath, copied in copies
+            gone = {copied.fd for relpath, copied in copies
                     if self._store.whole(relpath, copied.version) is not None}
             with self._lock:
                 if self._socket is not sock:
-                    gone.update((relpath, copied.version) for relpath, copied in copies)
+                    gone.update(copied.fd for _, copied in copies)
                     copies = []
                 elif message == b"":  # it ended: its warms went on without advice
                     self.open = 0
@@ -270,23 +291,31 @@ class ReadAhead:
                     self.left += ended[1]
                 self.copied += len(copies)
                 for relpath, copied in copies:
-                    if (relpath, copied.version) in gone:
+                    if copied.fd in gone:
                         continue
                     path = os.fsdecode(relpath)
                     old = self._copies.pop(path, None)
-                    if old is not None and old.version != copied.version:
-                        gone.add((relpath, old.version))
+                    if old is not None:  # copied again (by two warms): the newer is kept
+                        self._copies_bytes -= old.version.size
+                        gone.add(old.fd)
+                    if len(self._copies) >= self._max_copies or \
+                            self._copies_bytes + copied.version.size > COPIES_AHEAD_BYTES:
+                        # The older copies are the nearer to their FETCHes: this one waits
+                        # for its own fill.
+                        gone.add(copied.fd)
+                        continue
                     self._copies[path] = copied
+                    self._copies_bytes += copied.version.size
                 gone.update(self._expired_locked())
                 stopped = self._socket is not sock or message == b""
-            for relpath, version in gone:
-                unlink_quietly(self._store.ahead_path(relpath, version))
+            _close_all(gone)
             if stopped:
                 return
 
-    def _expired_locked(self) -> list[tuple[bytes, Version]]:
+    def _expired_locked(self) -> list[int]:
         """Take out the copies no FETCH took for COPY_KEPT_SECONDS (a warm killed, a path
-        that resolved to another name): the caller removes them."""
+        that resolved to another name): their descriptors, which the caller closes (and
+        with them the files)."""
         deadline = time.monotonic() - COPY_KEPT_SECONDS
         expired = []
         while self._copies:
@@ -294,7 +323,8 @@ class ReadAhead:
             if copied.at > deadline:
                 break
             del self._copies[relpath]
-            expired.append((os.fsencode(relpath), copied.version))
+            self._copies_bytes -= copied.version.size
+            expired.append(copied.fd)
         return expired
 
     def _running_locked(self) -> socket.socket | None:
@@ -307,6 +337,10 @@ class ReadAhead:
         if self._closed or now - self._started_at < RESTART_SECONDS:
             return None
         self._started_at = now
+        # Each copy waiting is a descriptor of the daemon's: a share of its limit, as the
+        # held files' (mirrorfs.py) is.
+        self._max_copies = min(COPIES_AHEAD,
+                               resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         # Messages, not a stream: each warm's descriptor comes with its own uid, and each
@@ -347,9 +381,9 @@ class ReadAhead:
             except OSError:
                 pass
             sock.close()  # it ends at that, its warms' connections with it
-        for relpath, copied in self._copies.items():
-            unlink_quietly(self._store.ahead_path(os.fsencode(relpath), copied.version))
+        _close_all(copied.fd for copied in self._copies.values())
         self._copies.clear()
+        self._copies_bytes = 0
         if process is None:
             return
         try:
@@ -438,34 +472,37 @@ def _cached(layout: CacheLayout, relpath: bytes, version: Version) -> bool:
 
 
 class _Copier:
-    """Copies of small files made ahead of their fetch, where the daemon takes them from
-    (CacheLayout.ahead_path: the name under tmp/ of the file's data file),
-    told to the daemon in batches.  At most COPIES_AHEAD not taken yet, of COPIES_AHEAD_BYTES:
-    the oldest is looked for before another is made (the daemon renames a copy it takes,
-    removes one it does not)."""
+    """Copies of small files made ahead of their fetch: unnamed files of the cache's disk
+    (O_TMPFILE under tmp/), handed to the daemon with what they hold in batches of
+    COPIES_PER_MESSAGE; the daemon links one in as its FETCH takes it and closes the rest,
+    so a copy no FETCH takes, or one a crash cut short, goes with its last descriptor, and
+    none ever has a name to be swept.  The daemon bounds those waiting (COPIES_AHEAD,
+    COPIES_AHEAD_BYTES); a warm's own lookahead (AHEAD_PATHS) keeps them under that."""
 
-    def __init__(self, layout: CacheLayout, daemon: socket.socket) -> None:
-        self._layout = layout
+    def __init__(self, tmp_dir: str, daemon: socket.socket) -> None:
+        self._tmp_dir = tmp_dir
         self._daemon = daemon
-        self._made: collections.deque[tuple[str, int]] = collections.deque()  # (path, bytes)
-        self._made_bytes = 0
         self._told: list[bytes] = []
+        self._fds: list[int] = []  # the copies of the lines in _told
         self._paused_until = 0.0
 
     def copy(self, src: int, relpath: bytes, version: Version) -> bool:
         """Copy the open remote file ``src`` (``version`` of ``relpath``) ahead: whether a
         copy was made."""
-        if version.size > COPY_AHEAD_MAX_BYTES or not self._room(version.size):
+        if version.size > COPY_AHEAD_MAX_BYTES or time.monotonic() < self._paused_until:
             return False
-        tmp = self._layout.ahead_path(data_key(relpath, version))
-        # Never over a copy the daemon has not taken (it may be renaming it now).
-        outcome = fill_one(src, tmp, version, exclusive=True)
+        try:
+            out = os.open(self._tmp_dir, os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, 0o600)
+        except OSError:  # the disk refused it, or its file system makes no unnamed files
+            self.pause()
+            return False
+        outcome = fill_into(src, out, version)
         if outcome.kind != COPIED:
-            if outcome.kind == DISK and outcome.errno != errno.EEXIST:
+            os.close(out)
+            if outcome.kind == DISK:
                 self.pause()  # the cache disk refused it; else the remote's: read it in
             return False
-        self._made.append((tmp, version.size))
-        self._made_bytes += version.size
+        self._fds.append(out)
         self._told.append(b"%d %d %d %d %s" % (version.size, version.mtime_ns,
                                                outcome.allocated, outcome.checksums[0],
                                                relpath))
@@ -476,23 +513,25 @@ class _Copier:
     def pause(self) -> None:
         self._paused_until = time.monotonic() + DISK_PAUSE_SECONDS
 
-    def _room(self, size: int) -> bool:
-        if time.monotonic() < self._paused_until:
-            return False
-        while len(self._made) >= COPIES_AHEAD \
-                or (self._made and self._made_bytes + size > COPIES_AHEAD_BYTES):
-            path, nbytes = self._made[0]
-            if os.path.lexists(path):
-                return False
-            self._made.popleft()
-            self._made_bytes -= nbytes
-        return True
-
     def tell(self) -> None:
-        """Tell the daemon of the copies made since it was last told."""
+        """Hand the daemon the copies made since it was last told."""
         if self._told:
-            told, self._told = self._told, []
-            self._daemon.sendall(_COPIES + b"\n" + b"\n".join(told))
+            told, fds = self._told, self._fds
+            self._told, self._fds = [], []
+            try:
+                socket.send_fds(self._daemon, [_COPIES + b"\n" + b"\n".join(told)], fds)
+            except OSError as exc:
+                # Too many descriptors on their way to a daemon that is slow to take them:
+                # these copies are dropped.  Anything else is the daemon gone.
+                if exc.errno != errno.ETOOMANYREFS:
+                    raise
+            finally:
+                _close_all(fds)
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 class _Warm:
@@ -598,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     # (read) and its copies under tmp/ (created).
     layout = CacheLayout(Path(cache_dir), CHUNK_BYTES)
     reader = _Reader(remote_root, layout, mountpoint,
-                     FractionAdmission(float(fraction), int(seed)), _Copier(layout, daemon))
+                     FractionAdmission(float(fraction), int(seed)),
+                     _Copier(str(layout.tmp_dir), daemon))
     selector = selectors.DefaultSelector()
     selector.register(daemon, selectors.EVENT_READ, None)
     while True:

@@ -91,21 +91,34 @@ class Outcome(NamedTuple):
 
 # -- the fill process -----------------------------------------------------------------------
 
-def fill_one(src: int, tmp: str, version: Version, exclusive: bool = False) -> Outcome:
+def fill_one(src: int, tmp: str, version: Version) -> Outcome:
     """Copy ``src`` into ``tmp`` and hash it: the outcome.  ``tmp`` is left for the daemon
-    to rename into place when the copy is whole, removed otherwise.  ``exclusive``: never
-    over a file already there (a copy the daemon may be renaming: DISK with EEXIST)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC \
-        | (os.O_EXCL if exclusive else os.O_TRUNC)
+    to rename into place when the copy is whole, removed otherwise."""
     try:
-        out = os.open(tmp, flags, 0o600)
+        out = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600)
     except OSError as exc:
         return Outcome(DISK, exc.errno or errno.EIO, f"creating the copy: {exc.strerror}")
-    whole = False
+    outcome = Outcome(FAILED)
+    try:
+        outcome = fill_into(src, out, version)
+        return outcome
+    finally:
+        os.close(out)
+        if outcome.kind != COPIED:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def fill_into(src: int, out: int, version: Version) -> Outcome:
+    """Copy ``src`` into the new file ``out`` and hash it (and mark it, a file of one
+    chunk): the outcome.  Also the copies a warm's reader-ahead makes
+    (prefetch/readahead.py)."""
     try:
         checksums, written = copy_and_hash(
             out, version, lambda fd: send_checked(src, fd, version))
-        whole = True
         return Outcome(COPIED, checksums=checksums, allocated=allocated_bytes(written))
     except RemoteChanged as exc:
         return Outcome(CHANGED, message=str(exc))
@@ -116,13 +129,6 @@ def fill_one(src: int, tmp: str, version: Version, exclusive: bool = False) -> O
         return Outcome(FAILED, errno.EIO, str(exc))
     except OSError as exc:
         return Outcome(FAILED, exc.errno or errno.EIO, exc.strerror or str(exc))
-    finally:
-        os.close(out)
-        if not whole:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def _encode_answer(job: int, outcome: Outcome) -> bytes:

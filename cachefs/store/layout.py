@@ -54,8 +54,6 @@ OLDER_FORMATS = frozenset({1})
 MARKER_NAME = "cachefs-cache.json"
 # What an emptied cache's subdirectories are renamed to, under the cache dir, until removed.
 TRASH_PREFIX = "trash."
-# The tag of a warm's fill-ahead copies under tmp/ (each writer tags its temporary files).
-AHEAD_TAG = "ahead"
 # How often a successor waiting for the cache dir tries its lock again.
 LOCK_POLL_SECONDS = 0.01
 # Allocation granularity assumed when the filesystem has not yet told us
@@ -337,11 +335,21 @@ class CacheLayout:
         ``tag`` names: a thread, a fill process's job)."""
         return f"{self._tmp_prefix}{final[-30:]}.{tag}"
 
-    def ahead_path(self, key: bytes) -> str:
-        """Where a warm's fill-ahead (prefetch/readahead.py, a process of its own) writes its
-        copy of the data file of ``key`` (a data key: the file's and its version's), and
-        where the daemon takes it from (CacheStore.install_ahead)."""
-        return self.tmp_path(self.data_path(key), AHEAD_TAG)
+    @staticmethod
+    def link_in(fd: int, final: str) -> None:
+        """Give the unnamed file ``fd`` (O_TMPFILE, of the cache's disk) the name ``final``,
+        its data file's: one directory entry added, where a rename from tmp/ also looks up
+        and removes one there.  Linked through /proc/self/fd, which needs no capability
+        (AT_EMPTY_PATH needs CAP_DAC_READ_SEARCH).  FileExistsError when ``final`` is
+        taken."""
+        source = f"/proc/self/fd/{fd}"
+        # A directory descriptor only makes os.link call linkat, which follows the link
+        # (AT_SYMLINK_FOLLOW); the absolute path ignores it.
+        try:
+            os.link(source, final, src_dir_fd=fd, follow_symlinks=True)
+        except FileNotFoundError:  # the first file of its fan-out directory
+            os.makedirs(os.path.dirname(final), 0o700, exist_ok=True)
+            os.link(source, final, src_dir_fd=fd, follow_symlinks=True)
 
     def install(self, new: NewFile) -> None:
         """Rename a filled temporary file into place as its data file (nothing for one

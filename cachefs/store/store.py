@@ -977,23 +977,17 @@ class CacheStore:
 
     # -- copies made ahead of their fetch (prefetch/readahead.py) -----------------------------
 
-    def ahead_path(self, key: bytes, version: Version) -> str:
-        """Where a warm's fill-ahead writes its copy of this version of ``key``, under tmp/."""
-        return self.layout.ahead_path(data_key(key, version))
-
     def install_ahead(self, key: bytes, attr: Attr, checksums: Sequence[int],
-                      allocated: int) -> bool:
+                      allocated: int, fd: int) -> bool:
         """Index the whole copy of ``attr``'s version of ``key`` that the fill-ahead wrote,
-        hashed and marked at :meth:`ahead_path`: renamed to its own name, then indexed as a
-        fill written in place is.  False, the copy removed, when the file is not admitted or
-        does not fit, anything of it is indexed already (the copy would replace its data
-        file), or a fill or a chunk write of it is under way (its name is theirs).  The
-        caller fetches it as ever then."""
-        tmp = self.ahead_path(key, attr.version)
+        hashed and marked, into the unnamed file ``fd`` (O_TMPFILE): linked in at its own
+        name, then indexed as a fill written in place is.  False when the file is not
+        admitted or does not fit, anything of it is indexed already (the copy would replace
+        its data file), or a fill or a chunk write of it is under way (its name is theirs).
+        The caller closes ``fd`` either way, and fetches the file as ever after False."""
         final = self.layout.data_path(data_key(key, attr.version))
         need = self._reserve(key, attr, attr.size)
         if not need:
-            unlink_quietly(tmp)
             return False
         try:
             with self._lock:
@@ -1002,17 +996,16 @@ class CacheStore:
                 if claimed:
                     self._filling.add(final)
             if not claimed:
-                unlink_quietly(tmp)
                 return False
-            new = NewFile(-1, final, final)  # once renamed, as a fill written in place
+            new = NewFile(-1, final, final)  # once linked, as a fill written in place
             try:
                 try:
-                    self.layout.install(NewFile(-1, tmp, final))  # tmp removed if it fails
-                except FileNotFoundError:  # no copy (removed by a sweep): nothing to index
+                    self.layout.link_in(fd, final)
+                except FileExistsError:  # a file no record names (a crash's): fetched
                     self._unclaim(final)
                     return False
                 return self._index_in_place(key, attr, new, checksums, allocated,
-                                            os.stat(final))
+                                            os.fstat(fd))
             except (OSError, sqlite3.Error) as exc:
                 self._discard(new)
                 self._pause_admission(exc)
