@@ -343,8 +343,8 @@ class CacheLayout:
         (AT_EMPTY_PATH needs CAP_DAC_READ_SEARCH).  FileExistsError when ``final`` is
         taken."""
         source = f"/proc/self/fd/{fd}"
-        # A directory descriptor only makes os.link call linkat, which follows the link
-        # (AT_SYMLINK_FOLLOW); the absolute path ignores it.
+        # Any src_dir_fd makes os.link call linkat, following the link (AT_SYMLINK_FOLLOW;
+        # link(2) would link the symlink itself); an absolute source path ignores it.
         try:
             os.link(source, final, src_dir_fd=fd, follow_symlinks=True)
         except FileNotFoundError:  # the first file of its fan-out directory
