@@ -433,7 +433,7 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
         figures = wait_for(lambda: (f := reader.figures())["open"] == 0 and f,
                            what="both warms counted")
         assert figures == {"pid": pid, "warms": 2, "open": 0, "copied": 2, "installed": 0,
-                           "read": 3, "left": 7}
+                           "dropped": 0, "read": 3, "left": 7}
         assert len(copies_held_open(tmp_path / "cache")) == 2  # the daemon's, until taken
         # The large file read in as far as a fetch's start, not copied; the files left alone
         # not read at all.
@@ -464,6 +464,41 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
     assert reader.figures()["pid"] is None
 
 
+def test_copies_waiting_past_their_bounds_drop_the_newest_and_expire_oldest_first():
+    """The copies waiting for their FETCH: past the count or the bytes, the copy that came
+    last is handed back to be closed (the older ones are nearer their FETCHes); a path copied
+    again keeps its newer copy; the oldest expire first.  Every copy taken out is handed
+    back, once."""
+    from cachefs.attr import Version
+    from cachefs.prefetch.readahead import COPIES_AHEAD_BYTES, _Copied, _Waiting
+
+    waiting = _Waiting()
+    waiting.most = 2
+    opened: list[int] = []
+
+    def copy(size: int, at: float) -> _Copied:
+        opened.append(os.open(os.devnull, os.O_RDONLY))
+        return _Copied(Version(size, 1), 4096, 7, at, opened[-1])
+
+    try:
+        first, second, third = copy(10, 1.0), copy(10, 2.0), copy(10, 3.0)
+        assert waiting.add("a", first) == []
+        assert waiting.add("b", second) == []
+        assert waiting.add("c", third) == [third.fd]  # full: the newest goes
+        again = copy(10, 4.0)
+        assert waiting.add("a", again) == [first.fd]  # copied again: the newer is kept
+        assert waiting.expired(2.5) == [second.fd]
+        huge = copy(COPIES_AHEAD_BYTES, 5.0)
+        assert waiting.add("d", huge) == [huge.fd]  # over the bytes
+        assert waiting.take("a") == again and waiting.take("a") is None
+        assert waiting.add("e", fourth := copy(10, 6.0)) == []
+        assert waiting.clear() == [fourth.fd] and waiting.take("e") is None
+        assert waiting.refused == 2  # the third, and the one over the bytes
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
 @pytest.mark.timeout(120)
 def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, source,
                                                                    mount_cachefs):
@@ -483,7 +518,8 @@ def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, sou
     assert ahead["pid"] is not None and Path(f"/proc/{ahead['pid']}").exists()
     status_text = run_cachefs("status", str(mount.path)).stdout
     assert f"{ahead['copied']:,} files copied ahead of their fetches " \
-           f"({ahead['installed']:,} taken in)" in status_text, status_text
+           f"({ahead['installed']:,} taken in, {ahead['dropped']:,} dropped for want of " \
+           "room)" in status_text, status_text
     for rel in rels[::97]:
         assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
     mount.stop()

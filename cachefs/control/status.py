@@ -146,7 +146,9 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
     read_ahead = st.get("warm_read_ahead")
     if read_ahead and read_ahead["warms"]:
         rows.append(("warm read-ahead", f"{read_ahead['copied']:,} files copied ahead of their "
-                                        f"fetches ({read_ahead['installed']:,} taken in), "
+                                        f"fetches ({read_ahead['installed']:,} taken in, "
+                                        f"{read_ahead['dropped']:,} dropped for want of "
+                                        f"room), "
                                         f"{read_ahead['read']:,} read in or copied and "
                                         f"{read_ahead['left']:,} left alone by the warms that "
                                         f"ended; {read_ahead['open']:,} of "

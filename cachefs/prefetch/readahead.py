@@ -163,6 +163,60 @@ class _Copied(NamedTuple):
     fd: int
 
 
+class _Waiting:
+    """The copies the reader-ahead made that no FETCH took yet, oldest first, by path, with
+    their bytes: bounded in number (``most``) and bytes (COPIES_AHEAD_BYTES).  Each method
+    gives back the descriptors of the copies it took out and did not hand over, for the
+    caller to close (outside its lock: the last close of an unnamed file frees it).  Not
+    thread-safe: ReadAhead's lock guards it."""
+
+    def __init__(self) -> None:
+        self._copies: collections.OrderedDict[str, _Copied] = collections.OrderedDict()
+        self._bytes = 0
+        self.most = COPIES_AHEAD
+        self.refused = 0  # new copies turned away past the bounds
+
+    def take(self, relpath: str) -> _Copied | None:
+        copied = self._copies.pop(relpath, None)
+        if copied is not None:
+            self._bytes -= copied.version.size
+        return copied
+
+    def add(self, relpath: str, copied: _Copied) -> list[int]:
+        """Keep ``copied``; a copy of the same path made before goes (two warms copied it).
+        Past the bounds, the new one goes instead: the older copies are the nearer to their
+        FETCHes, and this one's FETCH fills the file as ever."""
+        gone = []
+        old = self.take(relpath)
+        if old is not None:
+            gone.append(old.fd)
+        if len(self._copies) >= self.most or \
+                self._bytes + copied.version.size > COPIES_AHEAD_BYTES:
+            gone.append(copied.fd)
+            self.refused += 1
+        else:
+            self._copies[relpath] = copied
+            self._bytes += copied.version.size
+        return gone
+
+    def expired(self, deadline: float) -> list[int]:
+        """Take out the copies made before ``deadline`` (a warm killed, a path that resolved
+        to another name)."""
+        gone = []
+        while self._copies:
+            relpath, copied = next(iter(self._copies.items()))
+            if copied.at > deadline:
+                break
+            gone.append(self.take(relpath).fd)
+        return gone
+
+    def clear(self) -> list[int]:
+        gone = [copied.fd for copied in self._copies.values()]
+        self._copies.clear()
+        self._bytes = 0
+        return gone
+
+
 class ReadAhead:
     """The daemon's end: warms' connections handed to the reader-ahead process (started at
     the first), and the copies it made taken into the cache as their FETCHes come
@@ -183,17 +237,14 @@ class ReadAhead:
         self._answering: threading.Thread | None = None  # reads what the process tells
         self._started_at = -RESTART_SECONDS
         self._closed = admission is None
-        # The copies the reader-ahead made, oldest first: relpath -> what it copied.  Each
-        # descriptor is closed by whoever takes its copy out of the table.
-        self._copies: collections.OrderedDict[str, _Copied] = collections.OrderedDict()
-        self._copies_bytes = 0
-        self._max_copies = COPIES_AHEAD
+        self._waiting = _Waiting()  # the copies the reader-ahead made, not taken yet
         self.warms = 0  # connections handed to the reader-ahead
         self.open = 0  # of those, not ended yet (as far as it told)
         self.read = 0  # paths it read in (of the warms that ended)
         self.left = 0  # paths it left alone (of the warms that ended)
         self.copied = 0  # copies it made
         self.installed = 0  # of those, taken into the cache
+        self.out_of_descriptors = 0  # copies the daemon could not receive
 
     def take(self, conn: socket.socket, uid: int) -> str | None:
         """Hand the warm's connection ``conn`` (a caller of ``uid``) to the reader-ahead: None
@@ -221,9 +272,7 @@ class ReadAhead:
         the version ``attr`` says: whether the cache holds the file now.  A copy of another
         version is removed; the caller fetches the file as ever."""
         with self._lock:
-            copied = self._copies.pop(relpath, None)
-            if copied is not None:
-                self._copies_bytes -= copied.version.size
+            copied = self._waiting.take(relpath)
         if copied is None:
             return False
         try:
@@ -254,7 +303,7 @@ class ReadAhead:
 
     def _answers(self, sock: socket.socket) -> None:
         """What the reader-ahead tells, on a thread of its own: the copies it made, and the
-        counts of each warm as it ends.  The store is looked in, and copies removed,
+        counts of each warm as it ends.  The store is looked in, and copies closed,
         outside the lock."""
         while True:
             fds: list[int] = []
@@ -263,6 +312,8 @@ class ReadAhead:
                                                          COPIES_PER_MESSAGE)
                 if flags & socket.MSG_CTRUNC:  # out of descriptors: these copies dropped
                     _close_all(fds)
+                    with self._lock:
+                        self.out_of_descriptors += message.count(b"\n")
                     fds, message = [], None
             except TimeoutError:
                 message = None
@@ -275,13 +326,16 @@ class ReadAhead:
             except ValueError:  # never from the reader-ahead: not trusted further
                 log.warning("the reader-ahead told what cannot be read: ignored")
                 _close_all(fds)
-            # A copy whose FETCH came first is of a file held already: dropped at once.  (The
-            # store closes only once this thread has ended: close.)
-            gone = {copied.fd for relpath, copied in copies
+            # A copy whose FETCH came first (the reader-ahead fell behind) is of a file held
+            # already: dropped at once, else it would hold a place of the bounded table
+            # from copies still ahead of their FETCHes until it expired.  (The store closes
+            # only once this thread has ended: close.)
+            held = {copied.fd for relpath, copied in copies
                     if self._store.whole(relpath, copied.version) is not None}
+            gone = list(held)
             with self._lock:
                 if self._socket is not sock:
-                    gone.update(copied.fd for _, copied in copies)
+                    gone = [copied.fd for _, copied in copies]
                     copies = []
                 elif message == b"":  # it ended: its warms went on without advice
                     self.open = 0
@@ -291,41 +345,13 @@ class ReadAhead:
                     self.left += ended[1]
                 self.copied += len(copies)
                 for relpath, copied in copies:
-                    if copied.fd in gone:
-                        continue
-                    path = os.fsdecode(relpath)
-                    old = self._copies.pop(path, None)
-                    if old is not None:  # copied again (by two warms): the newer is kept
-                        self._copies_bytes -= old.version.size
-                        gone.add(old.fd)
-                    if len(self._copies) >= self._max_copies or \
-                            self._copies_bytes + copied.version.size > COPIES_AHEAD_BYTES:
-                        # The older copies are the nearer to their FETCHes: this one waits
-                        # for its own fill.
-                        gone.add(copied.fd)
-                        continue
-                    self._copies[path] = copied
-                    self._copies_bytes += copied.version.size
-                gone.update(self._expired_locked())
+                    if copied.fd not in held:
+                        gone += self._waiting.add(os.fsdecode(relpath), copied)
+                gone += self._waiting.expired(time.monotonic() - COPY_KEPT_SECONDS)
                 stopped = self._socket is not sock or message == b""
             _close_all(gone)
             if stopped:
                 return
-
-    def _expired_locked(self) -> list[int]:
-        """Take out the copies no FETCH took for COPY_KEPT_SECONDS (a warm killed, a path
-        that resolved to another name): their descriptors, which the caller closes (and
-        with them the files)."""
-        deadline = time.monotonic() - COPY_KEPT_SECONDS
-        expired = []
-        while self._copies:
-            relpath, copied = next(iter(self._copies.items()))
-            if copied.at > deadline:
-                break
-            del self._copies[relpath]
-            self._copies_bytes -= copied.version.size
-            expired.append(copied.fd)
-        return expired
 
     def _running_locked(self) -> socket.socket | None:
         if self._process is not None and self._process.poll() is None:
@@ -339,8 +365,8 @@ class ReadAhead:
         self._started_at = now
         # Each copy waiting is a descriptor of the daemon's: a share of its limit, as the
         # held files' (mirrorfs.py) is.
-        self._max_copies = min(COPIES_AHEAD,
-                               resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+        self._waiting.most = min(COPIES_AHEAD,
+                                 resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         # Messages, not a stream: each warm's descriptor comes with its own uid, and each
@@ -381,9 +407,7 @@ class ReadAhead:
             except OSError:
                 pass
             sock.close()  # it ends at that, its warms' connections with it
-        _close_all(copied.fd for copied in self._copies.values())
-        self._copies.clear()
-        self._copies_bytes = 0
+        _close_all(self._waiting.clear())
         if process is None:
             return
         try:
@@ -398,13 +422,16 @@ class ReadAhead:
 
     def figures(self) -> dict:
         """For `cachefs status`: its pid while it runs; the warms handed to it and those
-        still reading ahead; the copies it made and those taken into the cache; the paths of
-        the ended warms it read in and left alone."""
+        still reading ahead; the copies it made, those taken into the cache and those
+        dropped for want of room (past COPIES_AHEAD, COPIES_AHEAD_BYTES or the daemon's
+        descriptors), whose FETCHes filled the files themselves; the paths of the ended
+        warms it read in and left alone."""
         with self._lock:
             process = self._process
             running = process is not None and process.poll() is None
             return {"pid": process.pid if running else None, "warms": self.warms,
                     "open": self.open, "copied": self.copied, "installed": self.installed,
+                    "dropped": self._waiting.refused + self.out_of_descriptors,
                     "read": self.read, "left": self.left}
 
     def close(self) -> None:

@@ -434,8 +434,8 @@ class Daemon:
                 "processes": self.remote_files.fill_processes if self.remote_files else [],
             },
             "warm_read_ahead": self.prefetcher.read_ahead_figures() if self.prefetcher
-            else {"pid": None, "warms": 0, "open": 0, "copied": 0, "installed": 0, "read": 0,
-                  "left": 0},
+            else {"pid": None, "warms": 0, "open": 0, "copied": 0, "installed": 0,
+                  "dropped": 0, "read": 0, "left": 0},
             "cluster": self._cluster_status(),
         }
 
