@@ -132,8 +132,9 @@ class Metrics:
             "changed (the remote file changed during the copy: nothing stored), failed, "
             "skipped (too many waiting: filled at a later open)", ["result"], registry=r)
         self.warm_files = Counter(
-            "cachefs_warm_files", "Files cachefs warm asked for (FETCH), by the answer: fetched, "
-            "cached (already), not_admitted (outside the fraction), cache_full, failed",
+            "cachefs_warm_files", "Files cachefs warm asked for (FETCH, or copied ahead by its "
+            "reader-ahead and taken in: fetched), by the answer: fetched, cached (already), "
+            "not_admitted (outside the fraction), cache_full, failed",
             ["result"], registry=r)
         self.fills_under_way = Gauge(
             "cachefs_fills_under_way", "Files being copied into the cache by the kernel now, "

@@ -356,7 +356,6 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
-@pytest.mark.timeout(60)
 def copies_held_open(cache_dir: Path, pid: int | str = "self") -> list[str]:
     """This process's descriptors of files under the cache's tmp/ (a copy ahead waiting is
     an unnamed file there, "tmp/#123 (deleted)")."""
@@ -371,14 +370,18 @@ def copies_held_open(cache_dir: Path, pid: int | str = "self") -> list[str]:
     return held
 
 
+@pytest.mark.timeout(60)
 def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing_else(
         tmp_path):
     """A warm's connection is handed to a process of its own, which takes its paths in
     order: a small regular file the fraction admits and the caller may read is copied ahead
-    (the store takes the copy, whose bytes are the remote's, as the file's FETCH comes), a
-    large one read in only as far as READ_AHEAD_BYTES; a FIFO holds nothing up, and a
-    symlink, a file the caller may not read, one the cache holds, one outside the fraction and
-    a path outside the mount are left alone.  What it did is counted as each warm ends."""
+    and taken into the store, with the remote's bytes, and the warm is told so (its FETCH
+    need not come); a large one is read in only as far as READ_AHEAD_BYTES; a FIFO holds
+    nothing up, and a symlink, a file the caller may not read, one in a directory the caller
+    may not search, one behind a symlinked directory (which the FETCH would resolve), one the
+    cache holds, one outside the fraction and a path outside the mount are left alone.  The
+    warm is told how many of its lines it is done with.  What it did is counted as each warm
+    ends."""
     import socket
 
     from cachefs.attr import Attr
@@ -393,12 +396,19 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
     outside = next(n for n in names if not admission.eligible(n))
     wanted, last, large, private, cached, target = \
         [n for n in names if admission.eligible(n)][:6]
+    closed = next(n for n in (f"closed/{n}" for n in names) if admission.eligible(n))
+    behind = next(n for n in (f"sub/{n}" for n in names)
+                  if admission.eligible(n.replace("sub/", "sublink/")))
     sizes = {wanted: 64 << 10, last: 8 << 10, large: 2 * COPY_AHEAD_MAX_BYTES,
-             private: 64 << 10, cached: 64 << 10, target: 64 << 10, outside: 64 << 10}
+             private: 64 << 10, cached: 64 << 10, target: 64 << 10, outside: 64 << 10,
+             closed: 64 << 10, behind: 64 << 10}
+    (remote / "closed").mkdir(mode=0o700)
+    (remote / "sub").mkdir()
     for name, size in sizes.items():
         (remote / name).write_bytes(random.randbytes(size))
     (remote / private).chmod(0o600)
     (remote / "link").symlink_to(target)
+    (remote / "sublink").symlink_to("sub")
     os.mkfifo(remote / "fifo")
 
     def attr(name):
@@ -424,87 +434,54 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
             theirs.close()  # the reader-ahead holds its own
         pid = reader.figures()["pid"]
         assert pid is not None
-        warms[0][1].sendall(private.encode() + b"\n")
+        warms[0][1].sendall(private.encode() + b"\n" + closed.encode() + b"\n")
         warms[0][1].close()
         paths = ["fifo", "link", cached, outside, f"{mountpoint}/{large}",
-                 f"{mountpoint}/../{wanted}", f"{mountpoint}/x/../{wanted}", "no-such.bin", last]
+                 f"{mountpoint}/../{wanted}", f"{mountpoint}/x/../{wanted}", "no-such.bin",
+                 behind.replace("sub/", "sublink/"), last]
         warms[1][1].sendall(b"".join(p.encode() + b"\n" for p in paths))
-        warms[1][1].close()
+        warms[1][1].shutdown(socket.SHUT_WR)  # what it is told still comes
         figures = wait_for(lambda: (f := reader.figures())["open"] == 0 and f,
                            what="both warms counted")
-        assert figures == {"pid": pid, "warms": 2, "open": 0, "copied": 2, "installed": 0,
-                           "dropped": 0, "read": 3, "left": 7}
-        assert len(copies_held_open(tmp_path / "cache")) == 2  # the daemon's, until taken
+        assert figures == {"pid": pid, "warms": 2, "open": 0, "copied": 2, "installed": 2,
+                           "dropped": 0, "read": 3, "left": 9}
+        told = b""
+        while piece := warms[1][1].recv(65536):
+            told += piece
+        assert told == b"%d %s/x/../%s\n%d %s\n@10\n" % (
+            sizes[wanted], mountpoint.encode(), wanted.encode(), sizes[last], last.encode())
         # The large file read in as far as a fetch's start, not copied; the files left alone
         # not read at all.
         assert uncached(remote / large, READ_AHEAD_BYTES) == 0
         assert uncached(remote / large) >= COPY_AHEAD_MAX_BYTES
-        for name in (private, cached, target, outside):
+        for name in (private, cached, target, outside, closed, behind):
             assert uncached(remote / name) == sizes[name], name
-        # The copies go into the cache as their fetches come, with the remote's bytes; one
-        # of another version is not taken.
+        # The copies are in the cache, with the remote's bytes; the warm was told of them,
+        # so a FETCH of one would find it already cached.
         for name in (wanted, last):
-            assert store.whole(name.encode(), attr(name).version) is None
-        assert reader.install(wanted, wanted.encode(), attr(wanted))
-        changed = attr(last)._replace(mtime_ns=attr(last).mtime_ns + 1)
-        assert not reader.install(last, last.encode(), changed)
-        assert not reader.install(last, last.encode(), attr(last))  # (removed then)
-        record = store.whole(wanted.encode(), attr(wanted).version)
-        assert record is not None
-        assert store.read_chunk(wanted.encode(), record, 0) == (remote / wanted).read_bytes()
-        assert reader.figures()["installed"] == 1
-        # Each copy was an unnamed file, closed once taken in or dropped: none is held
-        # open, and none has a name left to sweep.
+            record = store.whole(name.encode(), attr(name).version)
+            assert record is not None, name
+            assert store.read_chunk(name.encode(), record, 0) == (remote / name).read_bytes()
+            assert not reader.took(name)
+        # Each copy was an unnamed file, closed once taken in: none is held open, and none
+        # has a name left to sweep.
         assert copies_held_open(tmp_path / "cache") == []
         assert not any((tmp_path / "cache" / "tmp").iterdir())
     finally:
         reader.close()
         store.close()
+        for _, ours in warms:
+            ours.close()
     assert not Path(f"/proc/{pid}").exists()  # ended and reaped with its daemon's end
     assert reader.figures()["pid"] is None
-
-
-def test_copies_waiting_past_their_bounds_drop_the_newest_and_expire_oldest_first():
-    """The copies waiting for their FETCH: past the count or the bytes, the copy that came
-    last is handed back to be closed (the older ones are nearer their FETCHes); a path copied
-    again keeps its newer copy; the oldest expire first.  Every copy taken out is handed
-    back, once."""
-    from cachefs.attr import Version
-    from cachefs.prefetch.readahead import COPIES_AHEAD_BYTES, _Copied, _Waiting
-
-    waiting = _Waiting()
-    waiting.most = 2
-    opened: list[int] = []
-
-    def copy(size: int, at: float) -> _Copied:
-        opened.append(os.open(os.devnull, os.O_RDONLY))
-        return _Copied(Version(size, 1), 4096, 7, at, opened[-1])
-
-    try:
-        first, second, third = copy(10, 1.0), copy(10, 2.0), copy(10, 3.0)
-        assert waiting.add("a", first) == []
-        assert waiting.add("b", second) == []
-        assert waiting.add("c", third) == [third.fd]  # full: the newest goes
-        again = copy(10, 4.0)
-        assert waiting.add("a", again) == [first.fd]  # copied again: the newer is kept
-        assert waiting.expired(2.5) == [second.fd]
-        huge = copy(COPIES_AHEAD_BYTES, 5.0)
-        assert waiting.add("d", huge) == [huge.fd]  # over the bytes
-        assert waiting.take("a") == again and waiting.take("a") is None
-        assert waiting.add("e", fourth := copy(10, 6.0)) == []
-        assert waiting.clear() == [fourth.fd] and waiting.take("e") is None
-        assert waiting.refused == 2  # the third, and the one over the bytes
-    finally:
-        for fd in opened:
-            os.close(fd)
 
 
 @pytest.mark.timeout(120)
 def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, source,
                                                                    mount_cachefs):
     """A warm of a remote whose opens are fast hands its paths to the daemon's reader-ahead,
-    which copies them ahead of their fetches, which take the copies in, and ends with the
-    daemon; the bytes are the remote's."""
+    which copies them ahead of their fetches into the cache and tells the warm so, and ends
+    with the daemon; the bytes are the remote's."""
     rels = make_files(source, 3000, size=(1, 4000), per_dir=500)
     mount = mount_cachefs(source, fraction=1.0)
     result = subprocess.run(warm_command(mount, write_list(tmp_path / "list.txt", rels)),
@@ -514,7 +491,7 @@ def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, sou
     ahead = wait_for(lambda: (st := mount.status())["warm_read_ahead"]["open"] == 0
                      and st["warm_read_ahead"], what="the warm's read-ahead counted")
     assert ahead["warms"] == 1 and ahead["read"] > 0 and ahead["read"] + ahead["left"] <= 3000
-    assert 0 < ahead["installed"] <= ahead["copied"], ahead  # copies taken in by the FETCHes
+    assert 0 < ahead["installed"] <= ahead["copied"], ahead
     assert ahead["pid"] is not None and Path(f"/proc/{ahead['pid']}").exists()
     status_text = run_cachefs("status", str(mount.path)).stdout
     assert f"{ahead['copied']:,} files copied ahead of their fetches " \
@@ -524,6 +501,34 @@ def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, sou
         assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
     mount.stop()
     wait_for(lambda: not Path(f"/proc/{ahead['pid']}").exists(), what="the reader-ahead ended")
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_whose_reader_ahead_stops_answering_fetches_its_files_itself(
+        tmp_path, source, mount_cachefs):
+    """A reader-ahead that stops (here SIGSTOP) takes a warm's connection and says nothing:
+    the warm waits for its first word a few seconds at most, then fetches every file itself,
+    and each is counted once, with the remote's bytes."""
+    rels = make_files(source, 600, size=(1, 4000), per_dir=300)
+    mount = mount_cachefs(source, fraction=1.0)
+    first = subprocess.run(warm_command(mount, write_list(tmp_path / "first.txt", rels[:10])),
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert ": 10 fetched" in first.stdout, first.stdout + first.stderr
+    pid = mount.status()["warm_read_ahead"]["pid"]
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        result = subprocess.run(warm_command(mount, write_list(tmp_path / "rest.txt", rels)),
+                                capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        assert ": 590 fetched" in result.stdout and "10 already cached" in result.stdout, \
+            result.stdout
+        assert mount.metric("cachefs_warm_files_total", result="fetched") == 600
+        assert mount.status()["warm_read_ahead"]["open"] == 1  # it never got to it
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for rel in rels[::37]:
+        assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
 
 
 @pytest.mark.timeout(120)

@@ -9,6 +9,10 @@ paths in flight, whatever the length of the list (warmlist.py).  A checkpoint of
 list was answered lets a warm run again go on where an interrupted one stopped
 (checkpoint.py).  Progress goes to stderr (a bar on a terminal; plain lines otherwise), the
 summary to stdout.
+
+The paths go first to the daemon's reader-ahead (_Ahead, prefetch/readahead.py), which
+copies most files into the cache itself and says which: those are answered here, with no
+FETCH.
 """
 
 from __future__ import annotations
@@ -62,6 +66,17 @@ AHEAD_PATHS = 2048
 AHEAD_PENDING_BYTES = 1 << 20
 # How long the daemon may take to say whether it reads a warm's paths ahead.
 AHEAD_ANSWER_SECONDS = 5.0
+# Paths the reader-ahead said were copied and taken in, kept at most until they come up to
+# be fetched (a path said twice, or one whose FETCH was sent before it was said, stays).
+TAKEN_IN_KEPT = 2 * AHEAD_PATHS
+# A path the reader-ahead is still on its way to waits for it at most this long after it
+# last said it was done with more (a batch of its copies takes some 50 ms), and for its
+# first word at most AHEAD_FIRST_SECONDS (the daemon starts it at its first warm).
+AHEAD_STALL_SECONDS = 0.5
+AHEAD_FIRST_SECONDS = 3.0
+# What _Ahead.next_path gives while the next path waits for the reader-ahead (told apart
+# by identity: no path of a list is this object).
+WAIT = b"\0(wait)"
 MAX_ERRORS_SHOWN = 10
 
 
@@ -141,19 +156,35 @@ def _files_per_second_column():
 
 class _Ahead:
     """The list read AHEAD_PATHS paths before its paths are fetched, each told to the
-    daemon's reader-ahead as it is read, on a connection of its own that is never waited
-    for: a path the reader-ahead has not taken waits (up to AHEAD_PENDING_BYTES), then is
-    dropped.
+    daemon's reader-ahead as it is read, on a connection of its own: a path the reader-ahead
+    has not taken waits (up to AHEAD_PENDING_BYTES), then is not told.
+
+    On the same connection, the reader-ahead says which paths it copied and the daemon took
+    into the cache already (their size and the path, a line each), which need no FETCH, and
+    how many of the paths told it is done with ("@" and the count), every copy of them said.
+    A path told comes up to be fetched only once the reader-ahead is done with it, or has
+    said nothing new for AHEAD_STALL_SECONDS: the FETCHes wait for copies under way rather
+    than fill the same files.
 
     Thread safety: used by one thread.
     """
 
-    def __init__(self, paths: Iterator[bytes], target: str, lead: int = AHEAD_PATHS) -> None:
+    def __init__(self, paths: Iterator[bytes], target: str,
+                 selector: selectors.BaseSelector, lead: int = AHEAD_PATHS) -> None:
         self._source = paths
         self._lead = lead
-        self._queue: deque[bytes] = deque()
+        self._selector = selector
+        # The paths read, each with its number among those told (-1: not told).
+        self._queue: deque[tuple[bytes, int]] = deque()
         self._exhausted = False
         self._pending = bytearray()
+        self._told = 0  # paths told (or to be, in _pending)
+        self._said = bytearray()  # of what the reader-ahead says, not a whole line yet
+        self._taken_in: dict[bytes, int] = {}  # path -> size, oldest first
+        self._done = 0  # of the paths told, those the reader-ahead is done with
+        # Paths wait for the reader-ahead until then: it has started and said it was done
+        # with more paths since, or it is stuck.
+        self._patient_until = time.monotonic() + AHEAD_FIRST_SECONDS
         self._sock: socket.socket | None = None
         try:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -171,26 +202,40 @@ class _Ahead:
             if answer != b'{"ok":true}\n':  # refused (a cluster, too many warms), or gone
                 raise OSError("no read-ahead")
             self._sock.setblocking(False)
+            selector.register(self._sock, selectors.EVENT_READ, None)
         except OSError:
             self.close()  # no advice then: the FETCHes alone, as slow as that is
 
-    def __iter__(self) -> Iterator[bytes]:
-        return self
-
-    def __next__(self) -> bytes:
+    def next_path(self) -> bytes | None:
+        """The next path to fetch; None at the end of the list; WAIT while the reader-ahead
+        is still on its way to it."""
         while not self._exhausted and len(self._queue) <= self._lead:
             path = next(self._source, None)
             if path is None:
                 self._exhausted = True
                 break
-            self._queue.append(path)
             line = path + b"\n"
+            told = -1
             if self._sock is not None and len(self._pending) < AHEAD_PENDING_BYTES \
                     and len(line) <= MAX_LINE_BYTES + 1 and b"\n" not in path:
                 self._pending += line
+                told = self._told
+                self._told += 1
+            self._queue.append((path, told))
         if not self._queue:
-            raise StopIteration
-        return self._queue.popleft()
+            return None
+        path, told = self._queue[0]
+        if told >= self._done and self._sock is not None and path not in self._taken_in \
+                and time.monotonic() < self._patient_until:
+            return WAIT
+        self._queue.popleft()
+        return path
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the next path waits for the reader-ahead."""
+        return bool(self._queue) and self._sock is not None \
+            and self._queue[0][1] >= self._done
 
     def send(self) -> None:
         """Send what the reader-ahead's connection takes now of the paths read."""
@@ -205,11 +250,53 @@ class _Ahead:
             return
         del self._pending[:sent]
 
+    def receive(self) -> None:
+        """Take in what the reader-ahead said since it was last asked."""
+        while self._sock is not None:
+            try:
+                data = self._sock.recv(65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                self.close()  # the reader-ahead went away: the FETCHes go on without it
+                break
+            said = self._said
+            said += data
+            start = 0
+            taken_in = self._taken_in
+            while (end := said.find(b"\n", start)) >= 0:
+                line = bytes(said[start:end])
+                start = end + 1
+                if line.startswith(b"@"):
+                    done = int(line[1:]) if line[1:].isdigit() else 0
+                    if done > self._done:
+                        self._done = done
+                        self._patient_until = time.monotonic() + AHEAD_STALL_SECONDS
+                    continue
+                size, _, path = line.partition(b" ")
+                if size.isdigit():
+                    taken_in[path] = int(size)
+            del said[:start]
+            while len(taken_in) > TAKEN_IN_KEPT:
+                del taken_in[next(iter(taken_in))]
+
+    def taken_in(self, path: bytes) -> int | None:
+        """The size of ``path`` when the reader-ahead said it copied it and the daemon took
+        the copy in (said once), else None: the FETCH finds out."""
+        return self._taken_in.pop(path, None) if self._taken_in else None
+
     def close(self) -> None:
         if self._sock is not None:
+            try:
+                self._selector.unregister(self._sock)
+            except (KeyError, ValueError):
+                pass  # not registered yet
             self._sock.close()
             self._sock = None
         self._pending.clear()
+        self._taken_in.clear()
 
 
 @dataclass
@@ -241,7 +328,8 @@ class _Warm:
 
     def __init__(self, target: str, paths: Iterator[bytes], done: Progress,
                  checkpoint: Checkpoint | None, connections: int) -> None:
-        self.paths = _Ahead(paths, target)
+        self._selector = selectors.DefaultSelector()
+        self.paths = _Ahead(paths, target, self._selector)
         self.done = done  # the blocks answered whole, from the start of the list
         self.checkpoint = checkpoint
         self.earlier = done.paths  # answered by an earlier warm
@@ -256,7 +344,6 @@ class _Warm:
         self._saved_at = time.monotonic()
         self._tuner = ConcurrencyTuner(connections)
         self._target = target
-        self._selector = selectors.DefaultSelector()
         self._connections: list[_Connection] = []  # opened as the concurrency first needs
 
     def _connect(self) -> None:
@@ -288,11 +375,13 @@ class _Warm:
                 self._connect()
             self._send_more([conn for conn in self._connections[:self._tuner.current]
                              if len(conn.inflight) < PIPELINE_DEPTH])
-            if not any(conn.inflight for conn in self._connections):
+            waiting = self.paths.waiting
+            if not waiting and not any(conn.inflight for conn in self._connections):
                 break
             round_started = time.monotonic()
-            events = self._selector.select(REPLY_TIMEOUT_SECONDS)
-            if not events:
+            events = self._selector.select(AHEAD_STALL_SECONDS if waiting
+                                           else REPLY_TIMEOUT_SECONDS)
+            if not events and not waiting:
                 raise WarmStopped(f"the daemon answered nothing for {REPLY_TIMEOUT_SECONDS:g} s")
             pause = ROUND_SECONDS - (time.monotonic() - round_started)
             if pause > 0:
@@ -300,7 +389,10 @@ class _Warm:
                 events = self._selector.select(0)
             before = self.answered
             for key, _ in events:
-                self._receive(key.data)
+                if key.data is None:  # the reader-ahead's connection
+                    self.paths.receive()
+                else:
+                    self._receive(key.data)
             now = time.monotonic()
             self._tuner.answered(self.answered - before, now)
             if now - self._saved_at >= COMMIT_SECONDS:
@@ -321,10 +413,15 @@ class _Warm:
     # -- sending ---------------------------------------------------------------------------
 
     def _send_more(self, connections: list[_Connection]) -> None:
-        """Top ``connections`` up to PIPELINE_DEPTH requests each, then send them."""
+        """Top ``connections`` up to PIPELINE_DEPTH requests each, then send them.  A path
+        the reader-ahead copied into the cache is answered here, with no request."""
+        self.paths.receive()
+        self.paths.send()  # (while the paths wait for it, it must have them)
         for conn in connections:
             while not self._exhausted and len(conn.inflight) < PIPELINE_DEPTH:
-                path = next(self.paths, None)
+                path = self.paths.next_path()
+                if path is WAIT:
+                    break
                 if path is None:
                     self._exhausted = True
                     self._close_reading()
@@ -338,6 +435,10 @@ class _Warm:
                 block.read += 1
                 if block.read == BLOCK_PATHS:
                     block.digest = block.hasher.intdigest()
+                size = self.paths.taken_in(path)
+                if size is not None:
+                    self._count(number, path, "fetched", size, None)
+                    continue
                 line = b"FETCH " + path + b"\n"
                 # The daemon would skip a line too long, unanswered; a name holding a newline
                 # (one a walk of the mount found) would be two requests, and every answer
@@ -388,6 +489,10 @@ class _Warm:
         """Count the daemon's ``reply`` for ``path``; None for a path not sent, ``unsent``
         saying why."""
         result, size, error = _parse(reply) if reply is not None else ("failed", 0, unsent)
+        self._count(number, path, result, size, error)
+
+    def _count(self, number: int, path: bytes, result: str, size: int,
+               error: str | None) -> None:
         block = self._blocks[number]
         if result == "fetched":
             block.new_bytes += size

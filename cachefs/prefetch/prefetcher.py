@@ -197,6 +197,7 @@ class Prefetcher:
         self.metrics = metrics
         self._hints = {r: metrics.hints.labels(r) for r in ("accepted", "cached", "invalid",
                                                              "dropped")}
+        self._warm_fetched = metrics.warm_files.labels("fetched")
         self._outcome = {r: metrics.prefetch_files.labels(r) for r in ("used", "wasted",
                                                                        "failed")}
         self._cond = threading.Condition()
@@ -217,7 +218,7 @@ class Prefetcher:
         self._reader_ahead = ReadAhead(
             remote.root, store, mountpoint,
             None if isinstance(store.admission, ClusterAdmission) else store.admission,
-            count_read=remote.count_read)
+            taken_in=self._taken_in)
         metrics.bind_gauge(metrics.prefetch_queued_files, lambda: len(self._queue))
         metrics.bind_gauge(metrics.prefetch_inflight_files, lambda: len(self._active))
         metrics.bind_gauge(metrics.staging_bytes, lambda: staging.used_bytes)
@@ -236,6 +237,12 @@ class Prefetcher:
             for turn in self._turns.values():
                 turn.set()
         self._reader_ahead.close()
+
+    def _taken_in(self, size: int) -> None:
+        """A copy the reader-ahead made of a warm's file, taken in: a file fetched for a warm,
+        its bytes read from the remote."""
+        self.remote.count_read(size)
+        self._warm_fetched.inc()
 
     def read_ahead_figures(self) -> dict:
         """The reader-ahead of warms (prefetch/readahead.py): see ReadAhead.figures."""
@@ -441,11 +448,11 @@ class Prefetcher:
         # A file outside the fraction is cached only where the cache holds others (a
         # cluster's node): elsewhere, most files of a warm at f < 1, no look in the index.
         if (eligible or admission.holds_others) and self._cached(key, attr):
+            if self._reader_ahead.took(relpath):  # copied ahead for this FETCH's warm
+                return {"ok": True, "result": "fetched", "bytes": attr.size, "counted": True}
             return {"ok": True, "result": "cached", "bytes": attr.size}
         if not eligible:
             return {"ok": True, "result": "not_admitted", "bytes": 0}
-        if self._reader_ahead.install(relpath, key, attr):  # copied ahead of this FETCH
-            return {"ok": True, "result": "fetched", "bytes": attr.size}
         try:
             self._fetch_into_cache(relpath, key, attr)
         except (OSError, CachefsError) as exc:

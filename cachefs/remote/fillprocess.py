@@ -115,7 +115,7 @@ def fill_one(src: int, tmp: str, version: Version) -> Outcome:
 def fill_into(src: int, out: int, version: Version) -> Outcome:
     """Copy ``src`` into the new file ``out`` and hash it (and mark it, a file of one
     chunk): the outcome.  Also the copies a warm's reader-ahead makes
-    (prefetch/readahead.py)."""
+    (prefetch/aheadprocess.py)."""
     try:
         checksums, written = copy_and_hash(
             out, version, lambda fd: send_checked(src, fd, version))

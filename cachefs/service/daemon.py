@@ -511,7 +511,8 @@ class Daemon:
         if not answer["ok"]:
             self._warm_files["failed"].inc()
             return Reply(answer)
-        self._warm_files[answer["result"]].inc()
+        if not answer.get("counted"):  # (one the reader-ahead copied: counted as taken in)
+            self._warm_files[answer["result"]].inc()
         # The reply to every file of a warm: formatted directly.
         return Reply(b'{"ok":true,"result":"%s","bytes":%d}'
                      % (answer["result"].encode(), answer["bytes"]))
