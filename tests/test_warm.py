@@ -476,6 +476,51 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
     assert reader.figures()["pid"] is None
 
 
+def peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+@pytest.mark.timeout(60)
+def test_what_is_no_list_costs_the_reader_ahead_a_bounded_buffer(tmp_path):
+    """A READ-AHEAD connection that sends what is no list (64 MiB with no line end) costs
+    the reader-ahead a buffer of its bound, not the 64 MiB, and a path sent after it is
+    still copied ahead."""
+    import socket
+
+    from cachefs.prefetch.readahead import BUFFERED_BYTES, ReadAhead
+    from cachefs.store.store import CacheStore
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "a.bin").write_bytes(random.randbytes(4096))
+    admission = FractionAdmission(1.0, seed=0)
+    store = CacheStore.open(tmp_path / "cache", 64 * 2**20, admission)
+    reader = ReadAhead(str(remote), store, str(tmp_path / "mnt"), admission)
+    theirs, ours = socket.socketpair()
+    try:
+        assert reader.take(theirs, 0) is None
+        theirs.close()
+        pid = reader.figures()["pid"]
+        ours.sendall(b"b.bin\n")  # (once read, the process is all loaded)
+        wait_for(lambda: reader.figures()["pid"] and peak_rss_kib(pid) > 0, what="started")
+        time.sleep(0.5)
+        before = peak_rss_kib(pid)
+        chunk = b"x" * (1 << 20)
+        for _ in range(64):
+            ours.sendall(chunk)
+        ours.sendall(b"\na.bin\n")
+        ours.shutdown(socket.SHUT_WR)
+        figures = wait_for(lambda: (f := reader.figures())["open"] == 0 and f,
+                           what="the warm counted")
+        assert figures["installed"] == 1, figures
+        assert peak_rss_kib(pid) - before < 4 * BUFFERED_BYTES // 1024, (before, figures)
+    finally:
+        reader.close()
+        store.close()
+        ours.close()
+
+
 @pytest.mark.timeout(120)
 def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, source,
                                                                    mount_cachefs):

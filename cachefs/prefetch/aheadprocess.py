@@ -270,7 +270,7 @@ class _Warm:
     def receive(self) -> None:
         """Take in what the warm sent since it was last asked."""
         flags = 0
-        while True:
+        while len(self._sent) <= BUFFERED_BYTES:
             try:
                 piece = self.sock.recv(65536, flags)
             except BlockingIOError:
@@ -283,7 +283,9 @@ class _Warm:
             self._sent += piece
             flags = socket.MSG_DONTWAIT
         if len(self._sent) > BUFFERED_BYTES:  # not a warm's list: its FETCHes will do
-            cut = self._sent.rfind(b"\n", 0, len(self._sent) - BUFFERED_BYTES // 2) + 1
+            # The older lines go, or all of it when they make one line (no path is that long).
+            cut = self._sent.rfind(b"\n", 0, len(self._sent) - BUFFERED_BYTES // 2) + 1 \
+                or len(self._sent)
             skipped = self._sent.count(b"\n", 0, cut)
             self.left += skipped
             self.lines += skipped
