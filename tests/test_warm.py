@@ -27,6 +27,7 @@ from cachefs.control.checkpoint import (
 )
 from cachefs.control.concurrency import ConcurrencyTuner
 from cachefs.errors import UsageError
+from cachefs.prefetch.paths import Caller
 from cachefs.store.admission import FractionAdmission
 from tests.conftest import REPO, make_files, run_cachefs, wait_for
 
@@ -373,15 +374,16 @@ def copies_held_open(cache_dir: Path, pid: int | str = "self") -> list[str]:
 @pytest.mark.timeout(60)
 def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing_else(
         tmp_path):
-    """A warm's connection is handed to a process of its own, which takes its paths in
-    order: a small regular file the fraction admits and the caller may read is copied ahead
-    and taken into the store, with the remote's bytes, and the warm is told so (its FETCH
-    need not come); a large one is read in only as far as READ_AHEAD_BYTES; a FIFO holds
-    nothing up, and a symlink, a file the caller may not read, one in a directory the caller
-    may not search, one behind a symlinked directory (which the FETCH would resolve), one the
-    cache holds, one outside the fraction and a path outside the mount are left alone.  The
-    warm is told how many of its lines it is done with.  What it did is counted as each warm
-    ends."""
+    """A warm's connection is handed to a process of its own, which takes its paths in order: a
+    small regular file the fraction admits and the caller may read is copied ahead and taken
+    into the store, with the remote's bytes, and the warm is told so (its FETCH need not
+    come); a large one is read in only as far as READ_AHEAD_BYTES; a FIFO holds nothing up,
+    and a symlink, a file the caller may not read (its owner's bits deny the owner, though
+    the others' allow), one in a directory the caller may not search, one behind a symlinked
+    directory (which the FETCH would resolve), one the cache holds, one outside the fraction
+    and a path outside the mount are left alone.  The warm is told how many of its lines it
+    is done with.  What it did is counted as each warm ends.  A caller's supplementary
+    groups count, as they do for the FETCH."""
     import socket
 
     from cachefs.attr import Attr
@@ -394,19 +396,23 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
     store = CacheStore.open(tmp_path / "cache", 64 * 2**20, admission)
     names = [f"f{i}.bin" for i in range(200)]
     outside = next(n for n in names if not admission.eligible(n))
-    wanted, last, large, private, cached, target = \
-        [n for n in names if admission.eligible(n)][:6]
+    wanted, last, large, private, cached, target, grouped, denied = \
+        [n for n in names if admission.eligible(n)][:8]
     closed = next(n for n in (f"closed/{n}" for n in names) if admission.eligible(n))
     behind = next(n for n in (f"sub/{n}" for n in names)
                   if admission.eligible(n.replace("sub/", "sublink/")))
     sizes = {wanted: 64 << 10, last: 8 << 10, large: 2 * COPY_AHEAD_MAX_BYTES,
              private: 64 << 10, cached: 64 << 10, target: 64 << 10, outside: 64 << 10,
-             closed: 64 << 10, behind: 64 << 10}
+             closed: 64 << 10, behind: 64 << 10, grouped: 64 << 10, denied: 64 << 10}
     (remote / "closed").mkdir(mode=0o700)
     (remote / "sub").mkdir()
     for name, size in sizes.items():
         (remote / name).write_bytes(random.randbytes(size))
     (remote / private).chmod(0o600)
+    os.chown(remote / grouped, 0, 4242)
+    (remote / grouped).chmod(0o640)  # readable by the group the first warm's caller is in
+    os.chown(remote / denied, 1000, 0)
+    (remote / denied).chmod(0o004)  # the kernel denies its owner, whatever the others may
     (remote / "link").symlink_to(target)
     (remote / "sublink").symlink_to("sub")
     os.mkfifo(remote / "fifo")
@@ -429,12 +435,14 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
     reader = ReadAhead(str(remote), store, mountpoint, admission)
     warms = [socket.socketpair() for _ in range(2)]
     try:
-        for (theirs, _), uid in zip(warms, (1000, 0), strict=True):
-            assert reader.take(theirs, uid) is None
+        callers = (Caller(1000, 1000, frozenset({1000, 4242})), Caller(0, 0))
+        for (theirs, _), caller in zip(warms, callers, strict=True):
+            assert reader.take(theirs, caller) is None
             theirs.close()  # the reader-ahead holds its own
         pid = reader.figures()["pid"]
         assert pid is not None
-        warms[0][1].sendall(private.encode() + b"\n" + closed.encode() + b"\n")
+        warms[0][1].sendall(b"".join(name.encode() + b"\n"
+                                     for name in (private, closed, denied, grouped)))
         warms[0][1].close()
         paths = ["fifo", "link", cached, outside, f"{mountpoint}/{large}",
                  f"{mountpoint}/../{wanted}", f"{mountpoint}/x/../{wanted}", "no-such.bin",
@@ -443,8 +451,8 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
         warms[1][1].shutdown(socket.SHUT_WR)  # what it is told still comes
         figures = wait_for(lambda: (f := reader.figures())["open"] == 0 and f,
                            what="both warms counted")
-        assert figures == {"pid": pid, "warms": 2, "open": 0, "copied": 2, "installed": 2,
-                           "dropped": 0, "read": 3, "left": 9}
+        assert figures == {"pid": pid, "warms": 2, "open": 0, "copied": 3, "installed": 3,
+                           "dropped": 0, "read": 4, "left": 10}
         told = b""
         while piece := warms[1][1].recv(65536):
             told += piece
@@ -454,11 +462,11 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
         # not read at all.
         assert uncached(remote / large, READ_AHEAD_BYTES) == 0
         assert uncached(remote / large) >= COPY_AHEAD_MAX_BYTES
-        for name in (private, cached, target, outside, closed, behind):
+        for name in (private, cached, target, outside, closed, behind, denied):
             assert uncached(remote / name) == sizes[name], name
         # The copies are in the cache, with the remote's bytes; the warm was told of them,
         # so a FETCH of one would find it already cached.
-        for name in (wanted, last):
+        for name in (wanted, last, grouped):
             record = store.whole(name.encode(), attr(name).version)
             assert record is not None, name
             assert store.read_chunk(name.encode(), record, 0) == (remote / name).read_bytes()
@@ -499,7 +507,7 @@ def test_what_is_no_list_costs_the_reader_ahead_a_bounded_buffer(tmp_path):
     reader = ReadAhead(str(remote), store, str(tmp_path / "mnt"), admission)
     theirs, ours = socket.socketpair()
     try:
-        assert reader.take(theirs, 0) is None
+        assert reader.take(theirs, Caller(0, 0)) is None
         theirs.close()
         pid = reader.figures()["pid"]
         ours.sendall(b"b.bin\n")  # (once read, the process is all loaded)
@@ -594,7 +602,7 @@ def test_a_remote_whose_opens_take_a_round_trip_is_not_read_ahead(tmp_path, sour
     theirs, ours = socket.socketpair()
     try:
         began = time.monotonic()
-        assert reader.take(theirs, 0) is None
+        assert reader.take(theirs, Caller(0, 0)) is None
         theirs.close()
         ours.sendall(b"".join(rel.encode() + b"\n" for rel in rels))
         ours.close()

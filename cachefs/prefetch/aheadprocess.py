@@ -23,11 +23,12 @@ from pathlib import Path
 
 from cachefs.attr import Attr, Version
 from cachefs.errors import NotInTree
-from cachefs.prefetch.paths import normalize
+from cachefs.prefetch.paths import Caller, may, normalize
 from cachefs.prefetch.readahead import (
     BATCH_PATHS,
     BATCHES_ASKED,
     BUFFERED_BYTES,
+    CALLER_BYTES,
     COPIES,
     COPIES_PER_MESSAGE,
     COPY_AHEAD_MAX_BYTES,
@@ -52,16 +53,17 @@ from cachefs.store.mark import marked_as
 from cachefs.store.store import CHUNK_BYTES
 
 
-def read_ahead_one(remote_root: str, layout: CacheLayout, uid: int, relpath: bytes,
+def read_ahead_one(remote_root: str, layout: CacheLayout, caller: Caller, relpath: bytes,
                    open_times: OpenTimes | None = None) -> tuple[int, Attr] | None:
-    """Have the kernel read ``relpath`` of the remote in, for a caller of ``uid``: its open
+    """Have the kernel read ``relpath`` of the remote in, for ``caller``: its open
     descriptor (the caller's to close) and attributes once asked, else None.  Only a regular
     file the caller may read, not cached whole already.  The open of the remote file is
     timed into ``open_times``."""
     path = os.path.join(os.fsencode(remote_root), relpath)
     try:
         before = os.stat(path, follow_symlinks=False)
-        if not stat.S_ISREG(before.st_mode) or not _readable_by(before, uid):
+        if not stat.S_ISREG(before.st_mode) \
+                or not may(caller, 4, before.st_mode, before.st_uid, before.st_gid):
             return None  # nothing but a regular file is ever opened (a FIFO, a device)
         began = time.monotonic()
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -83,10 +85,11 @@ def read_ahead_one(remote_root: str, layout: CacheLayout, uid: int, relpath: byt
         return None
 
 
-def _way_open(remote_root: bytes, relpath: bytes, uid: int, ways: dict[bytes, bool]) -> bool:
+def _way_open(remote_root: bytes, relpath: bytes, caller: Caller, ways: dict[bytes, bool]
+              ) -> bool:
     """Whether every directory on the way to ``relpath`` is one, not a symlink (which the
     kernel would follow out of the tree, or to a name the daemon's resolution, paths.resolve,
-    gives another file), and the caller of ``uid`` may search it, as that resolution checks:
+    gives another file), and ``caller`` may search it, as that resolution checks:
     the copy goes into the cache with no FETCH of its own.  ``ways`` holds the answers for
     directories looked at already (a batch's: a directory replaced meanwhile is seen at the
     next).  A symlink within the tree is left to the FETCH, which follows it."""
@@ -100,26 +103,14 @@ def _way_open(remote_root: bytes, relpath: bytes, uid: int, ways: dict[bytes, bo
                     st = os.stat(os.path.join(remote_root, way), follow_symlinks=False)
                 else:  # the remote's root, as configured (a symlink to it is its name)
                     st = os.stat(remote_root)
-                ok = stat.S_ISDIR(st.st_mode) and _searchable_by(st, uid)
+                ok = stat.S_ISDIR(st.st_mode) \
+                    and may(caller, 1, st.st_mode, st.st_uid, st.st_gid)
             except OSError:
                 ok = False
             ways[way] = ok
         if not ok:
             return False
     return True
-
-
-def _searchable_by(st: os.stat_result, uid: int) -> bool:
-    """Whether a caller of ``uid`` may search the directory (as _readable_by reads)."""
-    return uid == 0 or st.st_mode & stat.S_IXOTH != 0 \
-        or (st.st_uid == uid and st.st_mode & stat.S_IXUSR != 0)
-
-
-def _readable_by(st: os.stat_result, uid: int) -> bool:
-    """Whether a caller of ``uid`` may read the file: the owner or anyone may (a group's
-    members are not told apart here: left alone, as advice may be)."""
-    return uid == 0 or st.st_mode & stat.S_IROTH != 0 \
-        or (st.st_uid == uid and st.st_mode & stat.S_IRUSR != 0)
 
 
 def _cached(layout: CacheLayout, relpath: bytes, version: Version) -> bool:
@@ -253,9 +244,9 @@ class _Warm:
     """One warm's connection, as the reader-ahead reads it, and what it tells the warm: the
     lines of its list whose copies were taken in, a line each (size, the line)."""
 
-    def __init__(self, sock: socket.socket, uid: int) -> None:
+    def __init__(self, sock: socket.socket, caller: Caller) -> None:
         self.sock: socket.socket | None = sock
-        self.uid = uid
+        self.caller = caller
         self.ended = False  # it closed its end: once its lines are taken, it is done
         self.ended_at: float | None = None  # when that was seen
         self.awaiting = 0  # marks waiting for the daemon's answers (_Copier.mark)
@@ -367,7 +358,7 @@ class _Reader:
         opened = []
         ways: dict[bytes, bool] = {}  # the directories looked at, for this batch
         for line in lines:
-            done = self._one(warm.uid, line, ways)
+            done = self._one(warm.caller, line, ways)
             if done is None:
                 warm.left += 1
             else:
@@ -381,7 +372,7 @@ class _Reader:
         self.copier.tell()
         self.copier.mark(warm, warm.lines)
 
-    def _one(self, uid: int, raw: bytes, ways: dict[bytes, bool]
+    def _one(self, caller: Caller, raw: bytes, ways: dict[bytes, bool]
              ) -> tuple[bytes, int, Attr] | None:
         try:
             relpath = normalize(raw, self.mountpoint)
@@ -395,16 +386,16 @@ class _Reader:
                 return None
             self._next_probe = now + SLOW_PROBE_SECONDS
         key = os.fsencode(relpath)
-        if not _way_open(os.fsencode(self.remote_root), key, uid, ways):
+        if not _way_open(os.fsencode(self.remote_root), key, caller, ways):
             return None
-        done = read_ahead_one(self.remote_root, self.layout, uid, key, self.open_times)
+        done = read_ahead_one(self.remote_root, self.layout, caller, key, self.open_times)
         return None if done is None else (key, *done)
 
 
 def main(argv: list[str] | None = None) -> int:
     remote_root, cache_dir, mountpoint, fraction, seed = \
         (argv if argv is not None else sys.argv[1:])[:5]
-    daemon = socket.socket(fileno=0)  # a socket pair's end: a message per warm, with its uid
+    daemon = socket.socket(fileno=0)  # a socket pair's end: a message per warm, with its caller
     # The daemon's cache, its names only: this process opens nothing of it but data files
     # (read) and its copies under tmp/ (created).
     layout = CacheLayout(Path(cache_dir), CHUNK_BYTES)
@@ -422,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, _ in selector.select(timeout):
             warm = key.data
             if warm is None:
-                message, fds, _, _ = socket.recv_fds(daemon, 256, 1)
+                message, fds, _, _ = socket.recv_fds(daemon, CALLER_BYTES, 1)
                 if not message:  # the daemon closed its end: its stop
                     return 0
                 for fd in fds[1:]:
@@ -437,7 +428,12 @@ def main(argv: list[str] | None = None) -> int:
                     # Left blocking (its file status is the daemon's too until the daemon
                     # has answered on it): read only once the selector says it is readable.
                     sock = socket.socket(fileno=fds[0])
-                    warm = _Warm(sock, int(message.strip() or b"0"))
+                    try:
+                        caller = Caller.decoded(message)
+                    except ValueError:  # never from the daemon: nothing read for it
+                        sock.close()
+                        continue
+                    warm = _Warm(sock, caller)
                     selector.register(sock, selectors.EVENT_READ, warm)
                     warms.append(warm)
                 continue

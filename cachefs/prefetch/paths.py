@@ -51,6 +51,16 @@ class Caller:
             pass  # the process is gone or hidden: primary group only
         return cls(uid, gid, frozenset(groups))
 
+    def encoded(self) -> bytes:
+        """As one line of numbers (uid, gid, then the groups), for another process."""
+        return b" ".join(b"%d" % n for n in (self.uid, self.gid, *sorted(self.groups)))
+
+    @classmethod
+    def decoded(cls, line: bytes) -> Caller:
+        """The caller ``encoded`` gave; ValueError for anything else."""
+        uid, gid, *groups = (int(n) for n in line.split())
+        return cls(uid, gid, frozenset(groups))
+
 
 def normalize(raw: bytes, mountpoint: str) -> str:
     """The path relative to BACKING named by ``raw`` (relative to the mount, or absolute
@@ -71,17 +81,23 @@ def normalize(raw: bytes, mountpoint: str) -> str:
     return normal
 
 
-def _may(attr: Attr, caller: Caller, want: int) -> bool:
-    """Whether ``caller`` has the ``want`` bits (4 read, 1 search) on ``attr``."""
+def may(caller: Caller, want: int, mode: int, owner: int, group: int) -> bool:
+    """Whether ``caller`` has the ``want`` bits (4 read, 1 search) on a file of ``mode``,
+    ``owner`` and ``group``: the kernel's rule (the owner's bits for the owner, else the
+    group's for its members, else the others'), root passing every check."""
     if caller.uid == 0:
         return True
-    if caller.uid == attr.uid:
-        bits = (attr.mode >> 6) & 7
-    elif attr.gid in caller.groups:
-        bits = (attr.mode >> 3) & 7
+    if caller.uid == owner:
+        bits = (mode >> 6) & 7
+    elif group in caller.groups:
+        bits = (mode >> 3) & 7
     else:
-        bits = attr.mode & 7
+        bits = mode & 7
     return bits & want == want
+
+
+def _may(attr: Attr, caller: Caller, want: int) -> bool:
+    return may(caller, want, attr.mode, attr.uid, attr.gid)
 
 
 def searchable_directory_of(relpath: str, attrs: AttrCache, caller: Caller | None) -> bool:

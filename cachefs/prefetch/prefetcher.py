@@ -461,10 +461,10 @@ class Prefetcher:
         return {"ok": True, "result": "fetched" if done else "cache_full",
                 "bytes": attr.size if done else 0}
 
-    def take_read_ahead(self, conn: socket.socket, uid: int) -> str | None:
+    def take_read_ahead(self, conn: socket.socket, caller: Caller) -> str | None:
         """Hand a warm's READ-AHEAD connection to the reader-ahead: None once it has it, else
         why not (prefetch/readahead.py)."""
-        return self._reader_ahead.take(conn, uid)
+        return self._reader_ahead.take(conn, caller)
 
     # -- workers ------------------------------------------------------------------------
 

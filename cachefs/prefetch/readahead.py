@@ -14,7 +14,7 @@ would fetch (the fraction admits it), opens the remote file and asks the kernel 
 to that thread.)
 
 The warm's paths never pass through the daemon's interpreter: the warm asks on a connection
-of its own (READ-AHEAD), and the daemon hands that connection, with the caller's uid, to the
+of its own (READ-AHEAD), and the daemon hands that connection, with the caller, to the
 reader-ahead (SCM_RIGHTS over a socket pair), which reads the paths from it itself.
 
 Nor do most of its fills, nor their FETCHes: a small file (COPY_AHEAD_MAX_BYTES) the
@@ -84,6 +84,7 @@ from typing import NamedTuple
 
 from cachefs import limits
 from cachefs.attr import Attr
+from cachefs.prefetch.paths import Caller
 from cachefs.store.admission import FractionAdmission
 from cachefs.store.store import CacheStore
 
@@ -142,6 +143,8 @@ DELIVERED = b"D"
 TAKEN = b"T"
 PAUSE = b"P"
 MESSAGE_BYTES = 1 << 18  # over COPIES_PER_MESSAGE lines of the longest paths
+# A warm's caller as told with its connection (uid, gid, groups), at most: some 600 groups.
+CALLER_BYTES = 4096
 
 
 class _Said(NamedTuple):
@@ -222,10 +225,13 @@ class ReadAhead:
         self.installed = 0  # of those, taken into the cache
         self.dropped = 0  # of those, not received (the daemon out of descriptors)
 
-    def take(self, conn: socket.socket, uid: int) -> str | None:
-        """Hand the warm's connection ``conn`` (a caller of ``uid``) to the reader-ahead: None
-        once it has it, else why not, in a few words.  ``conn`` stays the caller's to
-        close."""
+    def take(self, conn: socket.socket, caller: Caller) -> str | None:
+        """Hand the warm's connection ``conn`` (of ``caller``, whose rights the reader-ahead
+        checks as a FETCH's resolution would) to the reader-ahead: None once it has it, else
+        why not, in a few words.  ``conn`` stays the caller's to close."""
+        told = caller.encoded()
+        if len(told) > CALLER_BYTES:
+            return "the caller is in too many groups to read ahead for"
         with self._lock:
             if self._closed:
                 return "no read-ahead here"
@@ -235,7 +241,7 @@ class ReadAhead:
             if running is None:
                 return "the reader-ahead is not running"
             try:
-                socket.send_fds(running, [b"%d" % uid], [conn.fileno()])
+                socket.send_fds(running, [told], [conn.fileno()])
             except OSError as exc:  # it died, or is stuck: started again at a later warm
                 self._stop_locked()
                 return f"the reader-ahead is gone ({exc.strerror or 'stuck'})"
@@ -360,7 +366,7 @@ class ReadAhead:
         self._started_at = now
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        # Messages, not a stream: each warm's descriptor comes with its own uid, and each
+        # Messages, not a stream: each warm's descriptor comes with its own caller, and each
         # batch of copies whole.
         mine, its = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:

@@ -501,7 +501,7 @@ class Daemon:
     def _read_ahead_request(self, peer: Peer, conn: socket.socket) -> Reply:
         """A warm's list read ahead of its FETCHes: the connection goes to the reader-ahead
         (prefetch/readahead.py), which reads its paths itself."""
-        refused = self.prefetcher.take_read_ahead(conn, peer.uid)
+        refused = self.prefetcher.take_read_ahead(conn, _caller(peer))
         if refused:
             return Reply({"ok": False, "error": refused})
         return Reply(b'{"ok":true}', taken=True)
