@@ -584,6 +584,75 @@ def test_a_warm_whose_reader_ahead_stops_answering_fetches_its_files_itself(
         assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
 
 
+@pytest.mark.timeout(60)
+def test_a_warm_waits_for_its_reader_ahead_as_long_as_its_pace_so_far_allows(tmp_path):
+    """A reader-ahead whose batches come slowly (here 0.9 s between two of its advances)
+    is waited for as long as that pace allows (AHEAD_STALL_FACTOR times it): the next path
+    still waits 1.5 s after its last word, where a fixed bound of AHEAD_STALL_SECONDS would
+    have had its FETCH sent, and filled what the reader-ahead was copying.  Silent past
+    that, it is taken for stuck, and the paths come, each once."""
+    import selectors
+    import socket
+    import threading
+
+    from cachefs.control.warm import AHEAD_STALL_FACTOR, WAIT, _Ahead
+
+    target = str(tmp_path / "control.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(target)
+    server.listen()
+    speak = threading.Event()
+    said: list[bytes] = []
+
+    def reader_ahead() -> None:  # answers READ-AHEAD, then says what it is told to
+        conn, _ = server.accept()
+        with conn:
+            assert conn.recv(64) == b"READ-AHEAD\n"
+            conn.sendall(b'{"ok":true}\n')
+            while speak.wait(30) and said:
+                speak.clear()
+                conn.sendall(said.pop(0))
+            conn.recv(1 << 20)
+
+    thread = threading.Thread(target=reader_ahead, daemon=True)
+    thread.start()
+    selector = selectors.DefaultSelector()
+    paths = [b"d/%d.bin" % i for i in range(4)]
+    ahead = _Ahead(iter(paths), target, selector)
+    try:
+        ahead.send()
+
+        def say(line: bytes) -> None:
+            said.append(line)
+            speak.set()
+            wait_for(lambda: not said, what="said")
+            time.sleep(0.05)
+            ahead.receive()
+
+        assert ahead.next_path() is WAIT  # its first word not come yet
+        say(b"@1\n")
+        assert ahead.next_path() == paths[0]
+        time.sleep(0.9)
+        say(b"@2\n")  # its slowest pace so far: some 0.9 s between two advances
+        assert ahead.next_path() == paths[1]
+        time.sleep(1.5)
+        ahead.receive()
+        assert ahead.next_path() is WAIT  # 1.5 s of silence is within 4 times its pace
+        assert 0 < ahead.waiting() <= AHEAD_STALL_FACTOR * 1.5
+        stuck = time.monotonic()
+        while (path := ahead.next_path()) is WAIT:
+            assert time.monotonic() - stuck < 15
+            time.sleep(0.05)
+        assert path == paths[2] and ahead.next_path() == paths[3]
+        assert ahead.next_path() is None and not ahead.waiting()
+    finally:
+        said.clear()
+        speak.set()
+        ahead.close()
+        server.close()
+        thread.join(5)
+
+
 @pytest.mark.timeout(120)
 def test_a_remote_whose_opens_take_a_round_trip_is_not_read_ahead(tmp_path, source, remote):
     """The reader-ahead times its own opens: against a remote whose opens take milliseconds

@@ -69,10 +69,17 @@ AHEAD_ANSWER_SECONDS = 5.0
 # Paths the reader-ahead said were copied and taken in, kept at most until they come up to
 # be fetched (a path said twice, or one whose FETCH was sent before it was said, stays).
 TAKEN_IN_KEPT = 2 * AHEAD_PATHS
-# A path the reader-ahead is still on its way to waits for it at most this long after it
-# last said it was done with more (a batch of its copies takes some 50 ms), and for its
-# first word at most AHEAD_FIRST_SECONDS (the daemon starts it at its first warm).
-AHEAD_STALL_SECONDS = 0.5
+# A path the reader-ahead is still on its way to waits for it while it keeps its pace: after
+# its last advance (a batch of its copies takes some 50 ms), for AHEAD_STALL_FACTOR times the
+# longest it took between two advances so far, AHEAD_STALL_SECONDS to AHEAD_STALL_MAX_SECONDS
+# (a batch that finds its directories cold takes longest: 0.85 s at most over a million
+# files of 4 KiB with pages dropped, over 0.5 s for 16 of 23,000 advances, where a fixed
+# 0.5 s had the warm fetch 10 % of the files the reader-ahead was copying); and for its
+# first word at most AHEAD_FIRST_SECONDS (the daemon starts it at its first warm).  One
+# silent past that is taken for stuck: the warm fetches on its own until it speaks again.
+AHEAD_STALL_SECONDS = 1.0
+AHEAD_STALL_FACTOR = 4
+AHEAD_STALL_MAX_SECONDS = 10.0
 AHEAD_FIRST_SECONDS = 3.0
 # What _Ahead.next_path gives while the next path waits for the reader-ahead (told apart
 # by identity: no path of a list is this object).
@@ -163,8 +170,8 @@ class _Ahead:
     into the cache already (their size and the path, a line each), which need no FETCH, and
     how many of the paths told it is done with ("@" and the count), every copy of them said.
     A path told comes up to be fetched only once the reader-ahead is done with it, or has
-    said nothing new for AHEAD_STALL_SECONDS: the FETCHes wait for copies under way rather
-    than fill the same files.
+    said nothing new for longer than its pace allows (AHEAD_STALL_FACTOR): the FETCHes wait
+    for copies under way rather than fill the same files.
 
     Thread safety: used by one thread.
     """
@@ -185,6 +192,8 @@ class _Ahead:
         # Paths wait for the reader-ahead until then: it has started and said it was done
         # with more paths since, or it is stuck.
         self._patient_until = time.monotonic() + AHEAD_FIRST_SECONDS
+        self._advanced_at: float | None = None  # when it last said it was done with more
+        self._slowest = 0.0  # the longest it took between two of those, so far
         self._sock: socket.socket | None = None
         try:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -224,18 +233,15 @@ class _Ahead:
             self._queue.append((path, told))
         if not self._queue:
             return None
-        path, told = self._queue[0]
-        if told >= self._done and self._sock is not None and path not in self._taken_in \
-                and time.monotonic() < self._patient_until:
+        if self.waiting() and self._queue[0][0] not in self._taken_in:
             return WAIT
-        self._queue.popleft()
-        return path
+        return self._queue.popleft()[0]
 
-    @property
-    def waiting(self) -> bool:
-        """Whether the next path waits for the reader-ahead."""
-        return bool(self._queue) and self._sock is not None \
-            and self._queue[0][1] >= self._done
+    def waiting(self) -> float:
+        """How long the next path may still wait for the reader-ahead (0: it does not)."""
+        if not self._queue or self._sock is None or self._queue[0][1] < self._done:
+            return 0.0
+        return max(0.0, self._patient_until - time.monotonic())
 
     def send(self) -> None:
         """Send what the reader-ahead's connection takes now of the paths read."""
@@ -272,8 +278,7 @@ class _Ahead:
                 if line.startswith(b"@"):
                     done = int(line[1:]) if line[1:].isdigit() else 0
                     if done > self._done:
-                        self._done = done
-                        self._patient_until = time.monotonic() + AHEAD_STALL_SECONDS
+                        self._advanced(done)
                     continue
                 size, _, path = line.partition(b" ")
                 if size.isdigit():
@@ -281,6 +286,17 @@ class _Ahead:
             del said[:start]
             while len(taken_in) > TAKEN_IN_KEPT:
                 del taken_in[next(iter(taken_in))]
+
+    def _advanced(self, done: int) -> None:
+        """The reader-ahead is done with the first ``done`` paths told: the next ones wait
+        for it as long as its pace so far allows."""
+        now = time.monotonic()
+        if self._advanced_at is not None:
+            self._slowest = max(self._slowest, now - self._advanced_at)
+        self._advanced_at = now
+        self._done = done
+        self._patient_until = now + min(AHEAD_STALL_MAX_SECONDS, max(
+            AHEAD_STALL_SECONDS, AHEAD_STALL_FACTOR * self._slowest))
 
     def taken_in(self, path: bytes) -> int | None:
         """The size of ``path`` when the reader-ahead said it copied it and the daemon took
@@ -375,12 +391,11 @@ class _Warm:
                 self._connect()
             self._send_more([conn for conn in self._connections[:self._tuner.current]
                              if len(conn.inflight) < PIPELINE_DEPTH])
-            waiting = self.paths.waiting
+            waiting = self.paths.waiting()
             if not waiting and not any(conn.inflight for conn in self._connections):
                 break
             round_started = time.monotonic()
-            events = self._selector.select(AHEAD_STALL_SECONDS if waiting
-                                           else REPLY_TIMEOUT_SECONDS)
+            events = self._selector.select(waiting or REPLY_TIMEOUT_SECONDS)
             if not events and not waiting:
                 raise WarmStopped(f"the daemon answered nothing for {REPLY_TIMEOUT_SECONDS:g} s")
             pause = ROUND_SECONDS - (time.monotonic() - round_started)

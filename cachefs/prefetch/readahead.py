@@ -47,20 +47,20 @@ no copy for DISK_PAUSE_SECONDS.  The reader-ahead takes a warm's lines in batche
 BATCH_PATHS, oldest first, opens them all (the disk reads them at once), then copies them.
 
 Advice only, bounded and never waited long: the warm tells no more paths than it has room
-for (AHEAD_PENDING_BYTES), nor waits for one more than AHEAD_STALL_SECONDS of silence; the
-reader-ahead reads at most READ_AHEAD_BYTES of a file; a file the cache holds (its check
-mark, mark.py) or one the caller may not read is left alone; an open remote file is never
-held past the batch it came in.  It reads nothing of a remote whose opens take a round trip
-(OpenTimes, remote.py: it times its own): one open at a time would fall behind the warm's
-concurrent fetches, which cover that latency themselves, and add an open of each file to
-theirs (a warm of 3,000 files from the EFS-like remote: 1,421 - 1,453 files/s read ahead
-against 1,496 - 1,509).  It then tries one path every SLOW_PROBE_SECONDS, to see the remote
-fast again.  A reader-ahead that dies is started again at the next warm, at most once per
-RESTART_SECONDS (the warms it served go on without advice); one stuck on a remote that
-stopped answering holds a warm up once, for AHEAD_STALL_SECONDS, and the daemon's stop waits
-for it CLOSE_SECONDS, then as long again once killed.  The daemon never waits to answer it
-(its answers have room in the socket's buffer, SEND_BUFFER_BYTES), nor does it to tell a
-warm (TOLD_BYTES at most waiting: past it, the warm's FETCHes find out).
+for (AHEAD_PENDING_BYTES), nor waits for one longer than its pace allows
+(AHEAD_STALL_FACTOR); the reader-ahead reads at most READ_AHEAD_BYTES of a file; a file the
+cache holds (its check mark, mark.py) or one the caller may not read is left alone; an open
+remote file is never held past the batch it came in.  It reads nothing of a remote whose
+opens take a round trip (OpenTimes, remote.py: it times its own): one open at a time would
+fall behind the warm's concurrent fetches, which cover that latency themselves, and add an
+open of each file to theirs (a warm of 3,000 files from the EFS-like remote: 1,421 - 1,453
+files/s read ahead against 1,496 - 1,509).  It then tries one path every SLOW_PROBE_SECONDS,
+to see the remote fast again.  A reader-ahead that dies is started again at the next warm,
+at most once per RESTART_SECONDS (the warms it served go on without advice); one stuck on a
+remote that stopped answering holds a warm up once, for AHEAD_STALL_SECONDS or more, and the
+daemon's stop waits for it CLOSE_SECONDS, then as long again once killed.  The daemon never
+waits to answer it (its answers have room in the socket's buffer, SEND_BUFFER_BYTES), nor
+does it to tell a warm (TOLD_BYTES at most waiting: past it, the warm's FETCHes find out).
 
 Thread safety (daemon side): ``_lock`` guards the process, its socket, the paths taken in
 and the figures; it is a leaf lock (the store is written to outside it).  What the
