@@ -290,6 +290,46 @@ def test_a_full_cache_restarted_on_the_same_budget_keeps_every_file(open_store):
     assert store.startup_report.over_budget_files == 0
 
 
+def test_a_cache_is_named_at_its_making_and_anew_when_emptied(tmp_path):
+    """What a warm's checkpoint is taken against: the name a cache is given when it is made,
+    kept across restarts, given to a cache made by a version that named none (its files
+    kept), and new once its contents go (a damaged index empties it)."""
+    import json
+
+    def reopened():
+        store = CacheStore.open(tmp_path / "cache", 64 * 2**20, FractionAdmission(1.0))
+        assert store.ready.wait(10)
+        return store
+
+    marker = tmp_path / "cache" / "cachefs-cache.json"
+    store = reopened()
+    put_file(store, "x", b"kept")
+    named = store.layout.identity
+    assert named and json.loads(marker.read_text())["id"] == named
+    store.close()
+    store = reopened()
+    assert store.layout.identity == named and read_file(store, "x") == b"kept"
+    store.close()
+
+    older = json.loads(marker.read_text())
+    del older["id"]
+    marker.write_text(json.dumps(older))
+    store = reopened()
+    renamed = store.layout.identity
+    assert renamed not in (None, named) and json.loads(marker.read_text())["id"] == renamed
+    assert read_file(store, "x") == b"kept"
+    store.close()
+
+    os.truncate(tmp_path / "cache" / "index" / "cache.db", 5000)
+    store = reopened()
+    try:
+        assert store.complete_files == 0
+        assert store.layout.identity not in (None, named, renamed)
+        assert json.loads(marker.read_text())["id"] == store.layout.identity
+    finally:
+        store.close()
+
+
 def test_new_version_replaces_old(open_store):
     store = open_store()
     put_file(store, "x", b"old bytes", mtime_ns=1)

@@ -25,6 +25,7 @@ from cachefs.control.checkpoint import (
     block_digest,
     skip_done,
 )
+from cachefs.control.client import connect, request
 from cachefs.control.concurrency import ConcurrencyTuner
 from cachefs.errors import UsageError
 from cachefs.prefetch.paths import Caller
@@ -47,10 +48,20 @@ def run_warm_measured(tmp_path: Path, mount, listing: Path) -> tuple[int, str, s
     return code, out_path.read_text(), err_path.read_text(), peak
 
 
-def checkpoint_of(mount, listing: Path, state_dir: Path) -> Path:
-    checkpoint = Checkpoint(mount.path, os.path.realpath(listing), state_dir)
+def cache_of(mount) -> str:
+    """The name of the cache the mount serves, as its daemon tells a warm."""
+    sock = connect(mount.path)
+    try:
+        return request(sock, b"PING")["cache"]
+    finally:
+        sock.close()
+
+
+def checkpoint_of(mount, listing: Path, state_dir: Path) -> Checkpoint:
+    """The checkpoint a warm of ``listing`` on ``mount`` keeps (closed: not held)."""
+    checkpoint = Checkpoint(mount.path, os.path.realpath(listing), state_dir, cache_of(mount))
     checkpoint.close()
-    return checkpoint.path
+    return checkpoint
 
 
 def write_list(path: Path, paths) -> Path:
@@ -126,6 +137,13 @@ def test_a_damaged_checkpoint_is_ignored_and_a_second_warm_of_the_list_refused(t
             recorded, note = checkpoint.load()
             assert recorded.paths == 0, damage
             assert note.startswith(f"the checkpoint {checkpoint.path} is damaged ("), note
+        # Taken against another cache than the one mounted now (a new disk, one emptied):
+        # not damaged, but of no use.
+        checkpoint.save(progress)
+        checkpoint.cache = "another"
+        assert checkpoint.load() == (Progress(), f"the checkpoint {checkpoint.path} was taken "
+                                     "against another cache than the one mounted now: "
+                                     "starting over")
         checkpoint.remove()
         assert checkpoint.load() == (Progress(), None)
         # Nothing of it is left; the other list's lock stays until its warm ends.
@@ -233,7 +251,7 @@ def test_warm_killed_goes_on_where_it_stopped(tmp_path, source, remote, mount_ca
     remote.configure(open_ms=3)  # slow enough to be killed half-way
     mount = mount_cachefs(remote.path, cache_size="256MiB")
     listing = write_list(tmp_path / "train.txt", random.Random(7).sample(rels, count))
-    state = checkpoint_of(mount, listing, warm_checkpoints)
+    state = checkpoint_of(mount, listing, warm_checkpoints).path
 
     first = subprocess.Popen(warm_command(mount, listing), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, cwd=REPO)
@@ -277,7 +295,8 @@ def test_warm_with_a_checkpoint_it_cannot_use_starts_over_and_says_so(
     rels = make_files(source, 300, size=100)
     mount = mount_cachefs(source, cache_size="64MiB")
     listing = write_list(tmp_path / "train.txt", rels)
-    state = checkpoint_of(mount, listing, warm_checkpoints)
+    checkpoint = checkpoint_of(mount, listing, warm_checkpoints)
+    state = checkpoint.path
 
     state.write_text('{"format": 1, "blocks": [["0123')  # cut short (a full disk)
     result = run_cachefs("warm", str(mount.path), "--list", str(listing))
@@ -288,9 +307,7 @@ def test_warm_with_a_checkpoint_it_cannot_use_starts_over_and_says_so(
     assert ": 300 fetched " in result.stdout and not state.exists()
 
     # A checkpoint of another list at this path (rewritten since): from the start as well.
-    checkpoint = Checkpoint(mount.path, os.path.realpath(listing), warm_checkpoints)
     checkpoint.save(progress_of(paths_of(BLOCK_PATHS), 1))
-    checkpoint.close()
     result = run_cachefs("warm", str(mount.path), "--list", str(listing))
     assert result.returncode == 0, result.stderr
     assert warm_lines(result.stderr) == ["warm: the list is not the one of the checkpoint: "
@@ -298,10 +315,25 @@ def test_warm_with_a_checkpoint_it_cannot_use_starts_over_and_says_so(
     assert "warmed 300 files in " in result.stdout and ": 0 fetched " in result.stdout
     assert "300 already cached" in result.stdout
 
+    # One of this list, taken against another cache (a new disk mounted here since): what
+    # it says was warmed is not in this one, so it starts over, and says why.
+    # (A list of a block and more: the files again and again.)
+    longer = [os.fsencode(rel) for rel in rels] * (BLOCK_PATHS // len(rels) + 1)
+    other = checkpoint_of(mount, write_list(tmp_path / "longer.txt", map(os.fsdecode, longer)),
+                          warm_checkpoints)
+    other.cache = "another"
+    other.save(progress_of(longer, 1))
+    result = run_cachefs("warm", str(mount.path), "--list", str(tmp_path / "longer.txt"))
+    assert result.returncode == 0, result.stderr
+    assert warm_lines(result.stderr) == [f"warm: the checkpoint {other.path} was taken "
+                                         "against another cache than the one mounted now: "
+                                         "starting over"]
+    assert f"warmed {len(longer):,} files in " in result.stdout, result.stdout
+    assert "by an earlier warm" not in result.stdout
+
     # --restart ignores a checkpoint altogether, without a word.
-    checkpoint = Checkpoint(mount.path, os.path.realpath(listing), warm_checkpoints)
+    checkpoint.cache = cache_of(mount)
     checkpoint.save(progress_of(paths_of(BLOCK_PATHS), 1))
-    checkpoint.close()
     result = run_cachefs("warm", str(mount.path), "--list", str(listing), "--restart")
     assert result.returncode == 0 and warm_lines(result.stderr) == [], result.stderr
     assert "warmed 300 files in " in result.stdout and not state.exists()

@@ -93,14 +93,19 @@ class Progress:
 
 class Checkpoint:
     """The checkpoint file of one list on one mount, held (flock) for as long as this warm
-    runs, so that two warms of the same list cannot write over each other's.
+    runs, so that two warms of the same list cannot write over each other's.  It records the
+    cache it was taken against (``cache``, as the daemon names it): what it says was warmed
+    is in that cache only, and a warm into another cache mounted there (a new disk, a cache
+    emptied) starts over.
 
     Thread safety: used by one thread.
     """
 
-    def __init__(self, mountpoint: Path, identity: str, state_dir: Path | None = None) -> None:
+    def __init__(self, mountpoint: Path, identity: str, state_dir: Path | None = None,
+                 cache: str | None = None) -> None:
         self.mountpoint = str(mountpoint)
         self.identity = identity
+        self.cache = cache
         directory = (state_dir or default_state_dir()) / "warm"
         name = xxhash.xxh64_hexdigest(f"{self.mountpoint}\0{identity}".encode(
             errors="surrogateescape"))
@@ -142,6 +147,9 @@ class Checkpoint:
                 raise ValueError("made by another version, or for another list")
             if state["results"] != list(RESULTS):
                 raise ValueError("made by another version")
+            if state.get("cache") != self.cache:
+                return Progress(), (f"the checkpoint {self.path} was taken against another "
+                                    "cache than the one mounted now: starting over")
             blocks = [_block(row) for row in state["blocks"]]
             return Progress(blocks), None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -152,7 +160,7 @@ class Checkpoint:
         leaves one or the other)."""
         state = {
             "format": FORMAT, "mountpoint": self.mountpoint, "list": self.identity,
-            "block_paths": BLOCK_PATHS, "results": RESULTS,
+            "cache": self.cache, "block_paths": BLOCK_PATHS, "results": RESULTS,
             # Per block: its digest, then its counts by RESULTS, then its new bytes.
             "blocks": [[format(b.digest, "016x"), *b.counts, b.new_bytes]
                        for b in progress.blocks],

@@ -39,10 +39,11 @@ from cachefs.control.checkpoint import (
     block_hasher,
     skip_done,
 )
-from cachefs.control.client import connect
+from cachefs.control.client import connect, request
 from cachefs.control.concurrency import ConcurrencyTuner
 from cachefs.control.server import MAX_LINE_BYTES
 from cachefs.control.warmlist import PathList
+from cachefs.errors import UsageError
 from cachefs.sizes import format_bytes
 
 # At most this many files fetched at once; concurrency.py finds how many go fastest.
@@ -557,10 +558,11 @@ def warm(mountpoint: str, paths: PathList, connections: int = DEFAULT_CONNECTION
     probe = connect(mountpoint)  # fail early, with one line, when it is not a cachefs mount
     try:
         target = probe.getpeername()
+        cache = _cache_of(probe)
     finally:
         probe.close()
     try:
-        checkpoint = Checkpoint(Path(mountpoint), paths.identity, state_dir)
+        checkpoint = Checkpoint(Path(mountpoint), paths.identity, state_dir, cache)
     except OSError as exc:
         checkpoint = None
         print(f"warm: cannot keep a checkpoint ({exc}); an interrupted warm will start over",
@@ -570,6 +572,16 @@ def warm(mountpoint: str, paths: PathList, connections: int = DEFAULT_CONNECTION
     finally:
         if checkpoint is not None:
             checkpoint.close()
+
+
+def _cache_of(sock: socket.socket) -> str | None:
+    """The name of the cache the daemon on ``sock`` serves (None from a daemon that names
+    none): what a checkpoint is taken against."""
+    try:
+        cache = request(sock, b"PING").get("cache")
+    except (OSError, ValueError, AttributeError):
+        raise UsageError("the daemon does not answer on its control socket") from None
+    return cache if isinstance(cache, str) else None
 
 
 def _warm_with(target: str, paths: PathList, connections: int,

@@ -589,8 +589,11 @@ class Daemon:
             os._exit(0)  # 0: the supervisor exits too, without unmounting
 
     def _ping_request(self, peer, argument: bytes) -> Reply:
+        # "cache" names the cache's contents (a new name once emptied): what a warm's
+        # checkpoint was taken against.
         return Reply({"ok": True, "version": __version__,
-                      "mountpoint": str(self.settings.mountpoint), "control": CONTROL_NAME})
+                      "mountpoint": str(self.settings.mountpoint), "control": CONTROL_NAME,
+                      "cache": self.store.layout.identity if self.store else None})
 
 
 @functools.lru_cache(maxsize=4096)

@@ -35,6 +35,7 @@ import stat
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -68,12 +69,20 @@ _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 
 
-def _read_marker(marker: Path) -> tuple[int, int] | None:
-    """(format, chunk bytes) of a cache dir's marker; None when it cannot be read."""
+class _Marker(NamedTuple):
+    format: int
+    chunk_bytes: int
+    identity: str | None  # None: made by a version that wrote none
+
+
+def _read_marker(marker: Path) -> _Marker | None:
+    """What a cache dir's marker says; None when it cannot be read."""
     try:
         info = json.loads(marker.read_text())
-        return info["format"], info["chunk_bytes"]
-    except (OSError, ValueError, KeyError, TypeError):
+        identity = info.get("id")
+        return _Marker(info["format"], info["chunk_bytes"],
+                       identity if isinstance(identity, str) else None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -142,6 +151,10 @@ class CacheLayout:
         self._data_prefix = f"{self.data_dir}/"  # chunk paths are built on every read
         self._tmp_prefix = f"{self.tmp_dir}/"
         self._lock_fd: int | None = None
+        # Names this cache, its contents: a new one each time the cache is made or emptied,
+        # so that what was recorded against its contents (a warm's checkpoint) is known to
+        # be of another cache.  Read by prepare.
+        self.identity: str | None = None
 
     # -- opening -------------------------------------------------------------------------
 
@@ -168,14 +181,16 @@ class CacheLayout:
                     f"cache dir {self.root} has an unreadable {MARKER_NAME}; "
                     "run 'cachefs verify' or choose a new directory"
                 )
-            version, chunk = info
+            version, chunk, self.identity = info
             if version in OLDER_FORMATS and chunk == self.chunk_bytes:
-                self._empty_older_format(version, marker)
+                self._empty_older_format(version)
             elif version != FORMAT_VERSION or chunk != self.chunk_bytes:
                 raise UsageError(
                     f"cache dir {self.root} was made by another cachefs version "
                     f"(format {version}); choose a new directory"
                 )
+            elif self.identity is None:  # made before caches were named: named now
+                self._write_marker(marker)
         elif entries - {"lost+found"}:
             raise UsageError(
                 f"cache dir {self.root} is not empty and is not a cachefs cache; "
@@ -202,18 +217,18 @@ class CacheLayout:
         self._write_marker(marker)
         return True
 
-    def _empty_older_format(self, version: int, marker: Path) -> None:
+    def _empty_older_format(self, version: int) -> None:
         """Our own cache in a format this version no longer reads: emptied, not refused, so
         that an upgrade needs no hand work.  Only our subdirectories are touched."""
         log.warning("cache dir %s holds format %d of an older cachefs: emptied; it fills "
                     "again as files are read", self.root, version)
         self.empty()
-        self._write_marker(marker)
 
     def empty(self) -> None:
         """Put the index and every cached file (our subdirectories only) aside at once, under
         a ``trash.*`` directory, and make the subdirectories anew.  Removing a million files
-        takes minutes, which a mount must not wait for: :meth:`remove_trash` does it."""
+        takes minutes, which a mount must not wait for: :meth:`remove_trash` does it.  The
+        cache emptied is another: it gets a new identity."""
         trash = Path(tempfile.mkdtemp(prefix=TRASH_PREFIX, dir=self.root))
         for sub in (self.index_dir, self.data_dir, self.tmp_dir):
             try:
@@ -221,6 +236,7 @@ class CacheLayout:
             except FileNotFoundError:
                 pass
             sub.mkdir(mode=0o700, exist_ok=True)
+        self._write_marker(self.root / MARKER_NAME)
 
     def remove_trash(self) -> threading.Thread | None:
         """Remove, on a thread of its own, what :meth:`empty` put aside (now, or at an earlier
@@ -244,8 +260,11 @@ class CacheLayout:
         return thread
 
     def _write_marker(self, marker: Path) -> None:
+        """Write the marker of this format, naming the cache anew."""
+        self.identity = uuid.uuid4().hex
         tmp = marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"format": FORMAT_VERSION, "chunk_bytes": self.chunk_bytes}))
+        tmp.write_text(json.dumps({"format": FORMAT_VERSION, "chunk_bytes": self.chunk_bytes,
+                                   "id": self.identity}))
         os.replace(tmp, marker)
 
     def lock(self, wait_seconds: float = 0.0) -> None:
