@@ -471,8 +471,8 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
         for (theirs, _), caller in zip(warms, callers, strict=True):
             assert reader.take(theirs, caller) is None
             theirs.close()  # the reader-ahead holds its own
-        pid = reader.figures()["pid"]
-        assert pid is not None
+        pids = reader.figures()["pids"]
+        assert len(pids) == 2  # a process each: neither warm waits for the other's
         warms[0][1].sendall(b"".join(name.encode() + b"\n"
                                      for name in (private, closed, denied, grouped)))
         warms[0][1].close()
@@ -483,7 +483,7 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
         warms[1][1].shutdown(socket.SHUT_WR)  # what it is told still comes
         figures = wait_for(lambda: (f := reader.figures())["open"] == 0 and f,
                            what="both warms counted")
-        assert figures == {"pid": pid, "warms": 2, "open": 0, "copied": 3, "installed": 3,
+        assert figures == {"pids": pids, "warms": 2, "open": 0, "copied": 3, "installed": 3,
                            "dropped": 0, "read": 4, "left": 10}
         told = b""
         while piece := warms[1][1].recv(65536):
@@ -512,8 +512,9 @@ def test_the_reader_ahead_copies_or_reads_in_what_a_fetch_would_copy_and_nothing
         store.close()
         for _, ours in warms:
             ours.close()
-    assert not Path(f"/proc/{pid}").exists()  # ended and reaped with its daemon's end
-    assert reader.figures()["pid"] is None
+    for pid in pids:  # ended and reaped with its daemon's end
+        assert not Path(f"/proc/{pid}").exists()
+    assert reader.figures()["pids"] == []
 
 
 def peak_rss_kib(pid: int) -> int:
@@ -541,9 +542,9 @@ def test_what_is_no_list_costs_the_reader_ahead_a_bounded_buffer(tmp_path):
     try:
         assert reader.take(theirs, Caller(0, 0)) is None
         theirs.close()
-        pid = reader.figures()["pid"]
+        (pid,) = reader.figures()["pids"]
         ours.sendall(b"b.bin\n")  # (once read, the process is all loaded)
-        wait_for(lambda: reader.figures()["pid"] and peak_rss_kib(pid) > 0, what="started")
+        wait_for(lambda: peak_rss_kib(pid) > 0, what="started")
         time.sleep(0.5)
         before = peak_rss_kib(pid)
         chunk = b"x" * (1 << 20)
@@ -562,11 +563,11 @@ def test_what_is_no_list_costs_the_reader_ahead_a_bounded_buffer(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, source,
+def test_a_warm_reads_its_files_ahead_in_processes_the_daemon_ends(tmp_path, source,
                                                                    mount_cachefs):
-    """A warm of a remote whose opens are fast hands its paths to the daemon's reader-ahead,
-    which copies them ahead of their fetches into the cache and tells the warm so, and ends
-    with the daemon; the bytes are the remote's."""
+    """A warm of a remote whose opens are fast deals its paths among the daemon's
+    readers-ahead, one for each core, which copy them ahead of their fetches into the cache
+    and tell the warm so, and end with the daemon; the bytes are the remote's."""
     rels = make_files(source, 3000, size=(1, 4000), per_dir=500)
     mount = mount_cachefs(source, fraction=1.0)
     result = subprocess.run(warm_command(mount, write_list(tmp_path / "list.txt", rels)),
@@ -575,9 +576,13 @@ def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, sou
     assert ": 3,000 fetched" in result.stdout, result.stdout
     ahead = wait_for(lambda: (st := mount.status())["warm_read_ahead"]["open"] == 0
                      and st["warm_read_ahead"], what="the warm's read-ahead counted")
-    assert ahead["warms"] == 1 and ahead["read"] > 0 and ahead["read"] + ahead["left"] <= 3000
+    # The list dealt among the processes, a connection to each.
+    streams = len(ahead["pids"])
+    assert streams == min(4, len(os.sched_getaffinity(0))), ahead
+    assert ahead["warms"] == streams and ahead["read"] > 0, ahead
+    assert ahead["read"] + ahead["left"] <= 3000, ahead
     assert 0 < ahead["installed"] <= ahead["copied"], ahead
-    assert ahead["pid"] is not None and Path(f"/proc/{ahead['pid']}").exists()
+    assert all(Path(f"/proc/{pid}").exists() for pid in ahead["pids"])
     status_text = run_cachefs("status", str(mount.path)).stdout
     assert f"{ahead['copied']:,} files copied ahead of their fetches " \
            f"({ahead['installed']:,} taken in, {ahead['dropped']:,} dropped for want of " \
@@ -585,23 +590,25 @@ def test_a_warm_reads_its_files_ahead_in_a_process_the_daemon_ends(tmp_path, sou
     for rel in rels[::97]:
         assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
     mount.stop()
-    wait_for(lambda: not Path(f"/proc/{ahead['pid']}").exists(), what="the reader-ahead ended")
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ahead["pids"]),
+             what="the readers-ahead ended")
 
 
 @pytest.mark.timeout(120)
 def test_a_warm_whose_reader_ahead_stops_answering_fetches_its_files_itself(
         tmp_path, source, mount_cachefs):
-    """A reader-ahead that stops (here SIGSTOP) takes a warm's connection and says nothing:
-    the warm waits for its first word a few seconds at most, then fetches every file itself,
+    """Readers-ahead that stop (here SIGSTOP) take a warm's connections and say nothing: the
+    warm waits for their first word a few seconds at most, then fetches every file itself,
     and each is counted once, with the remote's bytes."""
     rels = make_files(source, 600, size=(1, 4000), per_dir=300)
     mount = mount_cachefs(source, fraction=1.0)
     first = subprocess.run(warm_command(mount, write_list(tmp_path / "first.txt", rels[:10])),
                            capture_output=True, text=True, timeout=60, cwd=REPO)
     assert ": 10 fetched" in first.stdout, first.stdout + first.stderr
-    pid = mount.status()["warm_read_ahead"]["pid"]
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
+    pids = mount.status()["warm_read_ahead"]["pids"]
+    assert pids
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
     try:
         result = subprocess.run(warm_command(mount, write_list(tmp_path / "rest.txt", rels)),
                                 capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -609,9 +616,11 @@ def test_a_warm_whose_reader_ahead_stops_answering_fetches_its_files_itself(
         assert ": 590 fetched" in result.stdout and "10 already cached" in result.stdout, \
             result.stdout
         assert mount.metric("cachefs_warm_files_total", result="fetched") == 600
-        assert mount.status()["warm_read_ahead"]["open"] == 1  # it never got to it
+        # They never got to its connections.
+        assert mount.status()["warm_read_ahead"]["open"] == len(pids)
     finally:
-        os.kill(pid, signal.SIGCONT)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     for rel in rels[::37]:
         assert (mount.path / rel).read_bytes() == (source / rel).read_bytes(), rel
 

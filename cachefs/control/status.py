@@ -152,7 +152,9 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
                                         f"{read_ahead['read']:,} read in or copied and "
                                         f"{read_ahead['left']:,} left alone by the warms that "
                                         f"ended; {read_ahead['open']:,} of "
-                                        f"{read_ahead['warms']:,} warms reading ahead now"))
+                                        f"{read_ahead['warms']:,} warms' connections "
+                                        f"reading ahead now, in "
+                                        f"{len(read_ahead['pids']):,} processes"))
     serving = st.get("serving")
     if serving and serving["restarts"]:
         rows.append(("restarts", _restarts(st, serving)))

@@ -58,18 +58,24 @@ ROUND_SECONDS = 0.002
 # The daemon answers a FETCH once the file is in the cache, bounded by its --remote-timeout.
 REPLY_TIMEOUT_SECONDS = 600.0
 PROGRESS_EVERY_SECONDS = 0.1
-# The list is read this many paths before they are fetched, each told to the daemon's
-# reader-ahead as it is read (READ-AHEAD), which starts the kernel reading the file where
-# its fetch would copy it.
+# The list is read this many paths before they are fetched for each of the daemon's
+# readers-ahead, each path told to one as it is read (READ-AHEAD), which starts the kernel
+# reading the file where its fetch would copy it.
 AHEAD_PATHS = 2048
-# Paths not yet taken by the reader-ahead, at most: advice that cannot be sent at once waits
+# Paths not yet taken by a reader-ahead, at most: advice that cannot be sent at once waits
 # this far, then is dropped, never holding the FETCHes up.
 AHEAD_PENDING_BYTES = 1 << 20
 # How long the daemon may take to say whether it reads a warm's paths ahead.
 AHEAD_ANSWER_SECONDS = 5.0
-# Paths the reader-ahead said were copied and taken in, kept at most until they come up to
-# be fetched (a path said twice, or one whose FETCH was sent before it was said, stays).
-TAKEN_IN_KEPT = 2 * AHEAD_PATHS
+# The list is dealt to the daemon's readers-ahead in batches of this many paths, a batch to
+# each in turn: as many as one takes at once (BATCH_PATHS, prefetch/readahead.py).
+AHEAD_BATCH_PATHS = 256
+# Readers-ahead a warm tells its paths to, at most, whatever the daemon says.
+MAX_AHEAD_STREAMS = 16
+# Paths the readers-ahead said were copied and taken in, kept until they come up to be
+# fetched, at most this many times the paths read ahead (a path said twice, or one whose
+# FETCH was sent before it was said, stays).
+TAKEN_IN_KEPT = 2
 # A path the reader-ahead is still on its way to waits for it while it keeps its pace: after
 # its last advance (a batch of its copies takes some 50 ms), for AHEAD_STALL_FACTOR times the
 # longest it took between two advances so far, AHEAD_STALL_SECONDS to AHEAD_STALL_MAX_SECONDS
@@ -162,17 +168,81 @@ def _files_per_second_column():
     return FilesPerSecond()
 
 
-class _Ahead:
-    """The list read AHEAD_PATHS paths before its paths are fetched, each told to the
-    daemon's reader-ahead as it is read, on a connection of its own: a path the reader-ahead
-    has not taken waits (up to AHEAD_PENDING_BYTES), then is not told.
+class _Stream:
+    """One READ-AHEAD connection: a reader-ahead's share of the list, what it is told and
+    what it says.
 
-    On the same connection, the reader-ahead says which paths it copied and the daemon took
-    into the cache already (their size and the path, a line each), which need no FETCH, and
-    how many of the paths told it is done with ("@" and the count), every copy of them said.
-    A path told comes up to be fetched only once the reader-ahead is done with it, or has
-    said nothing new for longer than its pace allows (AHEAD_STALL_FACTOR): the FETCHes wait
-    for copies under way rather than fill the same files.
+    Thread safety: used by one thread.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock: socket.socket | None = sock
+        self.pending = bytearray()  # paths to tell it, not sent yet
+        self.told = 0  # paths told (or to be, in pending)
+        self.said = bytearray()  # of what it says, not a whole line yet
+        self.done = 0  # of the paths told, those it is done with
+        # Paths wait for it until then: it has started and said it was done with more
+        # paths since, or it is stuck.
+        self.patient_until = time.monotonic() + AHEAD_FIRST_SECONDS
+        self.advanced_at: float | None = None  # when it last said it was done with more
+        self.slowest = 0.0  # the longest it took between two of those, so far
+
+    def advanced(self, done: int) -> None:
+        """It is done with the first ``done`` paths told: the next ones wait for it as long
+        as its pace so far allows."""
+        now = time.monotonic()
+        if self.advanced_at is not None:
+            self.slowest = max(self.slowest, now - self.advanced_at)
+        self.advanced_at = now
+        self.done = done
+        self.patient_until = now + min(AHEAD_STALL_MAX_SECONDS, max(
+            AHEAD_STALL_SECONDS, AHEAD_STALL_FACTOR * self.slowest))
+
+
+def _open_stream(target: str) -> tuple[socket.socket, int]:
+    """A READ-AHEAD connection the daemon handed to a reader-ahead, and how many the daemon
+    reads a warm's list ahead on; OSError when it refuses (a cluster, too many warms), or
+    is gone."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(AHEAD_ANSWER_SECONDS)
+        sock.connect(target)
+        # The daemon hands the connection to its reader-ahead once it answers: nothing is
+        # sent before that.
+        sock.sendall(b"READ-AHEAD\n")
+        answer = b""
+        while not answer.endswith(b"\n") and len(answer) < MAX_LINE_BYTES:
+            piece = sock.recv(MAX_LINE_BYTES)
+            if not piece:
+                break
+            answer += piece
+        try:
+            reply = json.loads(answer)
+            streams = int(reply.get("streams", 1)) if reply.get("ok") is True else 0
+        except (ValueError, TypeError, AttributeError):
+            streams = 0
+        if streams < 1:
+            raise OSError("no read-ahead")
+        sock.setblocking(False)
+        return sock, min(streams, MAX_AHEAD_STREAMS)
+    except OSError:
+        sock.close()
+        raise
+
+
+class _Ahead:
+    """The list read ahead of its fetches (AHEAD_PATHS paths for each reader-ahead), each
+    path told to one of the daemon's readers-ahead as it is read, on a connection to each
+    (a _Stream), a batch of AHEAD_BATCH_PATHS to each in turn: a path a reader-ahead has not
+    taken waits (up to AHEAD_PENDING_BYTES), then is not told.
+
+    On its connection, each reader-ahead says which of its paths it copied and the daemon
+    took into the cache already (their size and the path, a line each), which need no
+    FETCH, and how many of the paths told it it is done with ("@" and the count), every
+    copy of them said.  A path told comes up to be fetched only once its reader-ahead is
+    done with it, or has said nothing new for longer than its pace allows
+    (AHEAD_STALL_FACTOR): the FETCHes wait for copies under way rather than fill the same
+    files.
 
     Thread safety: used by one thread.
     """
@@ -180,58 +250,48 @@ class _Ahead:
     def __init__(self, paths: Iterator[bytes], target: str,
                  selector: selectors.BaseSelector, lead: int = AHEAD_PATHS) -> None:
         self._source = paths
-        self._lead = lead
         self._selector = selector
-        # The paths read, each with its number among those told (-1: not told).
-        self._queue: deque[tuple[bytes, int]] = deque()
+        # The paths read, each with the stream it was told to and its number among those
+        # told there (None, -1: not told).
+        self._queue: deque[tuple[bytes, _Stream | None, int]] = deque()
         self._exhausted = False
-        self._pending = bytearray()
-        self._told = 0  # paths told (or to be, in _pending)
-        self._said = bytearray()  # of what the reader-ahead says, not a whole line yet
+        self._dealt = 0  # paths dealt to the streams
         self._taken_in: dict[bytes, int] = {}  # path -> size, oldest first
-        self._done = 0  # of the paths told, those the reader-ahead is done with
-        # Paths wait for the reader-ahead until then: it has started and said it was done
-        # with more paths since, or it is stuck.
-        self._patient_until = time.monotonic() + AHEAD_FIRST_SECONDS
-        self._advanced_at: float | None = None  # when it last said it was done with more
-        self._slowest = 0.0  # the longest it took between two of those, so far
-        self._sock: socket.socket | None = None
+        self._streams: list[_Stream] = []
         try:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock.settimeout(AHEAD_ANSWER_SECONDS)
-            self._sock.connect(target)
-            # The daemon hands the connection to its reader-ahead once it answers: nothing
-            # is sent before that.
-            self._sock.sendall(b"READ-AHEAD\n")
-            answer = b""
-            while not answer.endswith(b"\n") and len(answer) < MAX_LINE_BYTES:
-                piece = self._sock.recv(MAX_LINE_BYTES)
-                if not piece:
-                    break
-                answer += piece
-            if answer != b'{"ok":true}\n':  # refused (a cluster, too many warms), or gone
-                raise OSError("no read-ahead")
-            self._sock.setblocking(False)
-            selector.register(self._sock, selectors.EVENT_READ, None)
+            sock, count = _open_stream(target)
+            self._add(sock)
+            for _ in range(count - 1):
+                self._add(_open_stream(target)[0])
         except OSError:
-            self.close()  # no advice then: the FETCHes alone, as slow as that is
+            pass  # fewer streams then, or none: the FETCHes alone, as slow as that is
+        self._lead = lead * max(1, len(self._streams))
+
+    def _add(self, sock: socket.socket) -> None:
+        self._streams.append(_Stream(sock))
+        self._selector.register(sock, selectors.EVENT_READ, None)
 
     def next_path(self) -> bytes | None:
-        """The next path to fetch; None at the end of the list; WAIT while the reader-ahead
+        """The next path to fetch; None at the end of the list; WAIT while its reader-ahead
         is still on its way to it."""
+        streams = self._streams
         while not self._exhausted and len(self._queue) <= self._lead:
             path = next(self._source, None)
             if path is None:
                 self._exhausted = True
                 break
             line = path + b"\n"
-            told = -1
-            if self._sock is not None and len(self._pending) < AHEAD_PENDING_BYTES \
-                    and len(line) <= MAX_LINE_BYTES + 1 and b"\n" not in path:
-                self._pending += line
-                told = self._told
-                self._told += 1
-            self._queue.append((path, told))
+            stream, told = None, -1
+            if streams and len(line) <= MAX_LINE_BYTES + 1 and b"\n" not in path:
+                stream = streams[(self._dealt // AHEAD_BATCH_PATHS) % len(streams)]
+                self._dealt += 1
+                if stream.sock is not None and len(stream.pending) < AHEAD_PENDING_BYTES:
+                    stream.pending += line
+                    told = stream.told
+                    stream.told += 1
+                else:
+                    stream = None
+            self._queue.append((path, stream, told))
         if not self._queue:
             return None
         if self.waiting() and self._queue[0][0] not in self._taken_in:
@@ -239,80 +299,78 @@ class _Ahead:
         return self._queue.popleft()[0]
 
     def waiting(self) -> float:
-        """How long the next path may still wait for the reader-ahead (0: it does not)."""
-        if not self._queue or self._sock is None or self._queue[0][1] < self._done:
+        """How long the next path may still wait for its reader-ahead (0: it does not)."""
+        if not self._queue:
             return 0.0
-        return max(0.0, self._patient_until - time.monotonic())
+        _, stream, told = self._queue[0]
+        if stream is None or stream.sock is None or told < stream.done:
+            return 0.0
+        return max(0.0, stream.patient_until - time.monotonic())
 
     def send(self) -> None:
-        """Send what the reader-ahead's connection takes now of the paths read."""
-        if self._sock is None or not self._pending:
-            return
-        try:
-            sent = self._sock.send(self._pending)
-        except BlockingIOError:
-            return
-        except OSError:
-            self.close()  # the reader-ahead went away: the FETCHes go on without advice
-            return
-        del self._pending[:sent]
+        """Send what the readers-ahead's connections take now of the paths read."""
+        for stream in self._streams:
+            if stream.sock is None or not stream.pending:
+                continue
+            try:
+                sent = stream.sock.send(stream.pending)
+            except BlockingIOError:
+                continue
+            except OSError:
+                self._close(stream)  # it went away: the FETCHes go on without its advice
+                continue
+            del stream.pending[:sent]
 
     def receive(self) -> None:
-        """Take in what the reader-ahead said since it was last asked."""
-        while self._sock is not None:
-            try:
-                data = self._sock.recv(65536)
-            except BlockingIOError:
-                break
-            except OSError:
-                data = b""
-            if not data:
-                self.close()  # the reader-ahead went away: the FETCHes go on without it
-                break
-            said = self._said
-            said += data
-            start = 0
-            taken_in = self._taken_in
-            while (end := said.find(b"\n", start)) >= 0:
-                line = bytes(said[start:end])
-                start = end + 1
-                if line.startswith(b"@"):
-                    done = int(line[1:]) if line[1:].isdigit() else 0
-                    if done > self._done:
-                        self._advanced(done)
-                    continue
-                size, _, path = line.partition(b" ")
-                if size.isdigit():
-                    taken_in[path] = int(size)
-            del said[:start]
-            while len(taken_in) > TAKEN_IN_KEPT:
-                del taken_in[next(iter(taken_in))]
-
-    def _advanced(self, done: int) -> None:
-        """The reader-ahead is done with the first ``done`` paths told: the next ones wait
-        for it as long as its pace so far allows."""
-        now = time.monotonic()
-        if self._advanced_at is not None:
-            self._slowest = max(self._slowest, now - self._advanced_at)
-        self._advanced_at = now
-        self._done = done
-        self._patient_until = now + min(AHEAD_STALL_MAX_SECONDS, max(
-            AHEAD_STALL_SECONDS, AHEAD_STALL_FACTOR * self._slowest))
+        """Take in what the readers-ahead said since they were last asked."""
+        taken_in = self._taken_in
+        for stream in self._streams:
+            while stream.sock is not None:
+                try:
+                    data = stream.sock.recv(65536)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    data = b""
+                if not data:
+                    self._close(stream)  # it went away: the FETCHes go on without it
+                    break
+                said = stream.said
+                said += data
+                start = 0
+                while (end := said.find(b"\n", start)) >= 0:
+                    line = bytes(said[start:end])
+                    start = end + 1
+                    if line.startswith(b"@"):
+                        done = int(line[1:]) if line[1:].isdigit() else 0
+                        if done > stream.done:
+                            stream.advanced(done)
+                        continue
+                    size, _, path = line.partition(b" ")
+                    if size.isdigit():
+                        taken_in[path] = int(size)
+                del said[:start]
+        while len(taken_in) > TAKEN_IN_KEPT * self._lead:
+            del taken_in[next(iter(taken_in))]
 
     def taken_in(self, path: bytes) -> int | None:
-        """The size of ``path`` when the reader-ahead said it copied it and the daemon took
+        """The size of ``path`` when its reader-ahead said it copied it and the daemon took
         the copy in (said once), else None: the FETCH finds out."""
         return self._taken_in.pop(path, None) if self._taken_in else None
 
-    def close(self) -> None:
-        if self._sock is not None:
+    def _close(self, stream: _Stream) -> None:
+        if stream.sock is not None:
             try:
-                self._selector.unregister(self._sock)
+                self._selector.unregister(stream.sock)
             except (KeyError, ValueError):
                 pass  # not registered yet
-            self._sock.close()
-            self._sock = None
-        self._pending.clear()
+            stream.sock.close()
+            stream.sock = None
+        stream.pending.clear()
+
+    def close(self) -> None:
+        for stream in self._streams:
+            self._close(stream)
         self._taken_in.clear()
 
 

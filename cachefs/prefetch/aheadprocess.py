@@ -1,5 +1,6 @@
-"""The reader-ahead: the process of its own that reads and copies a warm's files ahead of
-its fetches, started and ended by the daemon (readahead.py, which says why and how).
+"""A reader-ahead: a process of its own that reads and copies a warm's files ahead of its
+fetches, started and ended by the daemon, which runs one for each core it may use
+(readahead.py, which says why and how).
 
 It reads the paths of the warms' connections the daemon handed it, in batches, oldest first;
 has the kernel read in the files the daemon would fetch; copies the small ones into unnamed

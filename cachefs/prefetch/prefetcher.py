@@ -466,6 +466,11 @@ class Prefetcher:
         why not (prefetch/readahead.py)."""
         return self._reader_ahead.take(conn, caller)
 
+    @property
+    def read_ahead_streams(self) -> int:
+        """How many READ-AHEAD connections a warm opens, each with its share of its list."""
+        return self._reader_ahead.streams
+
     # -- workers ------------------------------------------------------------------------
 
     def _allowed_locked(self) -> int:

@@ -17,6 +17,13 @@ The warm's paths never pass through the daemon's interpreter: the warm asks on a
 of its own (READ-AHEAD), and the daemon hands that connection, with the caller, to the
 reader-ahead (SCM_RIGHTS over a socket pair), which reads the paths from it itself.
 
+A reader-ahead is one core's work at most: over a million files of 4 KiB it was busy 89 % of
+its time, and set the warm's pace with the host 17 % idle.  The daemon runs PROCESSES of
+them (one for each core it may run on, 4 at most), and a warm opens a READ-AHEAD connection
+to each (the daemon's answer says how many; each goes to the process reading the fewest),
+dealing its list among them a batch of BATCH_PATHS at a time: each reads and copies its
+share and tells the warm of it on its own connection, at its own pace.
+
 Nor do most of its fills, nor their FETCHes: a small file (COPY_AHEAD_MAX_BYTES) the
 reader-ahead also copies ahead, as a fill process copies, hashes and marks a file
 (fillprocess.fill_into), into an unnamed file of the cache's disk (O_TMPFILE), which it hands
@@ -62,10 +69,10 @@ daemon's stop waits for it CLOSE_SECONDS, then as long again once killed.  The d
 waits to answer it (its answers have room in the socket's buffer, SEND_BUFFER_BYTES), nor
 does it to tell a warm (TOLD_BYTES at most waiting: past it, the warm's FETCHes find out).
 
-Thread safety (daemon side): ``_lock`` guards the process, its socket, the paths taken in
-and the figures; it is a leaf lock (the store is written to outside it).  What the
+Thread safety (daemon side): ``_lock`` guards the processes, their sockets, the paths taken
+in and the figures; it is a leaf lock (the store is written to outside it).  What each
 reader-ahead tells is read, and its copies taken in, on a thread of its own, which the
-daemon's stop waits for before the store closes.  The reader-ahead is one thread.
+daemon's stop waits for before the store closes.  A reader-ahead is one thread.
 """
 
 from __future__ import annotations
@@ -94,8 +101,12 @@ log = logging.getLogger(__name__)
 # larger file, whose own copy reads ahead of itself.  A warm reads its list AHEAD_PATHS
 # (warm.py) ahead, so this bounds what it puts in the page cache before it is fetched.
 READ_AHEAD_BYTES = 256 * 2**10
-# Warms read ahead at once, at most (each holds a descriptor in the reader-ahead).
+# Warms' connections read ahead at once, at most (each holds a descriptor in a reader-ahead).
 MAX_STREAMS = 64
+# Reader-ahead processes, each busy on a core of its own at a warm's full pace (one reads
+# and copies some 5,000 files of 4 KiB a second): a warm's list is dealt among them, a batch
+# to each in turn, over a connection to each.
+PROCESSES = max(1, min(4, len(limits.ALLOWED_CPUS)))
 # While the remote's opens are slow, one path is tried this often.
 SLOW_PROBE_SECONDS = 0.25
 RESTART_SECONDS = 10.0
@@ -191,62 +202,84 @@ class _Copied(NamedTuple):
     fd: int
 
 
+class _Process:
+    """One reader-ahead process as the daemon runs it: its end of their socket pair, the
+    thread reading what it tells, and the warms' connections it reads now."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.popen: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.answering: threading.Thread | None = None
+        self.started_at = -RESTART_SECONDS
+        self.open = 0  # warms' connections handed to it, not ended yet (as far as it told)
+
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
 class ReadAhead:
-    """The daemon's end: warms' connections handed to the reader-ahead process (started at
-    the first), and the copies it made taken into the cache as they come.  ``admission``
-    None: no read-ahead (a cluster's admission depends on its members, which only the
-    daemon follows)."""
+    """The daemon's end: warms' connections handed to the reader-ahead processes (started
+    as the first warms come), and the copies they made taken into the cache as they come.
+    ``admission`` None: no read-ahead (a cluster's admission depends on its members, which
+    only the daemon follows)."""
 
     def __init__(self, remote_root: str, store: CacheStore, mountpoint: str,
                  admission: FractionAdmission | None,
-                 taken_in: Callable[[int], None] = lambda size: None) -> None:
+                 taken_in: Callable[[int], None] = lambda size: None,
+                 processes: int = PROCESSES) -> None:
         self._argv = [remote_root, str(store.layout.root), mountpoint]
         if admission is not None:
             self._argv += [repr(admission.fraction), str(admission.seed)]
         self._store = store
         self._count_taken_in = taken_in  # with the size of each copy taken in
         self._lock = threading.Lock()
-        self._process: subprocess.Popen | None = None
-        self._socket: socket.socket | None = None
-        self._answering: threading.Thread | None = None  # reads what the process tells
-        self._started_at = -RESTART_SECONDS
+        self._processes = [_Process(number) for number in range(max(1, processes))]
         self._closed = admission is None
         # The copies taken in that their warms may FETCH still (not told of them yet), oldest
-        # first: relpath -> when; and the paths taken in of each batch, until its warm was
-        # told of them.
+        # first: relpath -> when; and the paths taken in of each batch (by process and
+        # batch number), until its warm was told of them.
         self._taken_in: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._undelivered: collections.OrderedDict[int, list[str]] = \
+        self._undelivered: collections.OrderedDict[tuple[int, int], list[str]] = \
             collections.OrderedDict()
         self.warms = 0  # connections handed to the reader-ahead
-        self.open = 0  # of those, not ended yet (as far as it told)
         self.read = 0  # paths it read in (of the warms that ended)
         self.left = 0  # paths it left alone (of the warms that ended)
         self.copied = 0  # copies it made
         self.installed = 0  # of those, taken into the cache
         self.dropped = 0  # of those, not received (the daemon out of descriptors)
 
+    @property
+    def streams(self) -> int:
+        """How many connections a warm reads ahead on: one per process, each with its share
+        of the list."""
+        return 0 if self._closed else len(self._processes)
+
     def take(self, conn: socket.socket, caller: Caller) -> str | None:
         """Hand the warm's connection ``conn`` (of ``caller``, whose rights the reader-ahead
-        checks as a FETCH's resolution would) to the reader-ahead: None once it has it, else
-        why not, in a few words.  ``conn`` stays the caller's to close."""
+        checks as a FETCH's resolution would) to the process reading the fewest: None once
+        it has it, else why not, in a few words.  ``conn`` stays the caller's to close."""
         told = caller.encoded()
         if len(told) > CALLER_BYTES:
             return "the caller is in too many groups to read ahead for"
         with self._lock:
             if self._closed:
                 return "no read-ahead here"
-            if self.open >= MAX_STREAMS:
-                return f"{MAX_STREAMS} warms read ahead already"
-            running = self._running_locked()
-            if running is None:
+            if sum(process.open for process in self._processes) >= MAX_STREAMS:
+                return f"{MAX_STREAMS} warms' connections read ahead already"
+            for process in sorted(self._processes, key=lambda process: process.open):
+                running = self._running_locked(process)
+                if running is not None:
+                    break
+            else:
                 return "the reader-ahead is not running"
             try:
                 socket.send_fds(running, [told], [conn.fileno()])
             except OSError as exc:  # it died, or is stuck: started again at a later warm
-                self._stop_locked()
+                self._stop_locked(process)
                 return f"the reader-ahead is gone ({exc.strerror or 'stuck'})"
             self.warms += 1
-            self.open += 1
+            process.open += 1
             return None
 
     def took(self, relpath: str) -> bool:
@@ -283,14 +316,15 @@ class ReadAhead:
             else:
                 taken_in.pop(path, None)
         if not installed and not self._store.admitting:  # copies would go for nothing
-            self._tell(PAUSE)
+            for process in self._processes:
+                self._tell(process, PAUSE)
         return installed
 
-    def _tell(self, message: bytes) -> None:
-        """Tell the reader-ahead ``message`` when its socket has room now: the daemon never
-        waits for it (the reader-ahead may itself be waiting to tell the daemon)."""
+    def _tell(self, process: _Process, message: bytes) -> None:
+        """Tell ``process`` ``message`` when its socket has room now: the daemon never waits
+        for it (the reader-ahead may itself be waiting to tell the daemon)."""
         with self._lock:
-            sock = self._socket
+            sock = process.sock
             if sock is None:
                 return
             try:
@@ -300,10 +334,10 @@ class ReadAhead:
             except OSError:
                 pass
 
-    def _answers(self, sock: socket.socket) -> None:
-        """What the reader-ahead tells, on a thread of its own: the copies it made, taken
-        into the cache as they come (and which were, told back), and the counts of each
-        warm as it ends.  (The store closes only once this thread has ended: close.)"""
+    def _answers(self, process: _Process, sock: socket.socket) -> None:
+        """What ``process`` tells on ``sock``, on a thread of its own: the copies it made,
+        taken into the cache as they come (and which were, told back), and the counts of
+        each warm as it ends.  (The store closes only once this thread has ended: close.)"""
         while True:
             fds: list[int] = []
             try:
@@ -326,44 +360,47 @@ class ReadAhead:
                 log.warning("the reader-ahead told what cannot be read: ignored")
                 close_all(fds)
             if said.batch is not None:
-                self._take_in_batch(said.batch, said.copies)
+                self._take_in_batch(process, said.batch, said.copies)
             with self._lock:
                 for batch in said.delivered:  # their FETCHes will not come: forgotten
-                    for path in self._undelivered.pop(batch, ()):
+                    for path in self._undelivered.pop((process.number, batch), ()):
                         self._taken_in.pop(path, None)
-                current = self._socket is sock
+                current = process.sock is sock
                 if current and message == b"":  # it ended: its warms went on without advice
-                    self.open = 0
+                    process.open = 0
                 if said.ended is not None:
-                    self.open = max(0, self.open - 1)
+                    process.open = max(0, process.open - 1)
                     self.read += said.ended[0]
                     self.left += said.ended[1]
                 if not current or message == b"":
                     return
 
-    def _take_in_batch(self, batch: int, copies: Iterable[tuple[bytes, _Copied]]) -> None:
-        """Take in a batch of copies, and tell the reader-ahead which were taken in."""
+    def _take_in_batch(self, process: _Process, batch: int,
+                       copies: Iterable[tuple[bytes, _Copied]]) -> None:
+        """Take in a batch of copies, and tell ``process`` which were taken in."""
         taken = []
         for relpath, copied in copies:
             taken.append(os.fsdecode(relpath) if self._take_in(relpath, copied) else None)
         with self._lock:
             self.copied += len(taken)
-            self._undelivered[batch] = [path for path in taken if path is not None]
-            if len(self._undelivered) > BATCHES_ASKED:  # (the reader-ahead gave up on it)
+            self._undelivered[process.number, batch] = [path for path in taken
+                                                        if path is not None]
+            # (one its process gave up on, BATCHES_ASKED behind, or of a process ended)
+            if len(self._undelivered) > BATCHES_ASKED * len(self._processes):
                 self._undelivered.popitem(last=False)
-        self._tell(TAKEN + b" %d\n" % batch
+        self._tell(process, TAKEN + b" %d\n" % batch
                    + bytes(0x30 if path is None else 0x31 for path in taken))
 
-    def _running_locked(self) -> socket.socket | None:
-        if self._process is not None and self._process.poll() is None:
-            return self._socket
-        if self._process is not None:
-            log.warning("the reader-ahead ended (status %s)", self._process.returncode)
-            self._stop_locked()
+    def _running_locked(self, process: _Process) -> socket.socket | None:
+        if process.running():
+            return process.sock
+        if process.popen is not None:
+            log.warning("the reader-ahead ended (status %s)", process.popen.returncode)
+            self._stop_locked(process)
         now = time.monotonic()
-        if self._closed or now - self._started_at < RESTART_SECONDS:
+        if self._closed or now - process.started_at < RESTART_SECONDS:
             return None
-        self._started_at = now
+        process.started_at = now
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         # Messages, not a stream: each warm's descriptor comes with its own caller, and each
@@ -371,7 +408,7 @@ class ReadAhead:
         mine, its = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             # A session of its own: a Ctrl-C at the daemon's terminal is the daemon's.
-            self._process = subprocess.Popen(
+            process.popen = subprocess.Popen(
                 [sys.executable, "-m", "cachefs.prefetch.aheadprocess", *self._argv],
                 stdin=its, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
         except OSError as exc:
@@ -382,61 +419,65 @@ class ReadAhead:
             its.close()
         # A reader-ahead that takes no new warm within this long is taken for stuck.
         mine.settimeout(SEND_SECONDS)
-        self._socket = mine
-        self._answering = threading.Thread(target=self._answers, args=(mine,),
-                                           name="reader-ahead", daemon=True)
-        self._answering.start()
+        process.sock = mine
+        process.answering = threading.Thread(target=self._answers, args=(process, mine),
+                                             name=f"reader-ahead-{process.number}",
+                                             daemon=True)
+        process.answering.start()
         try:
             # Its waits are its own, on any CPU: the daemon's threads may keep to one
             # (service/affinity.py), which the process inherited.
-            os.sched_setaffinity(self._process.pid, limits.ALLOWED_CPUS)
+            os.sched_setaffinity(process.popen.pid, limits.ALLOWED_CPUS)
         except OSError:
             pass
         return mine
 
-    def _stop_locked(self) -> None:
-        process, self._process = self._process, None
-        sock, self._socket = self._socket, None
-        self.open = 0
+    def _stop_locked(self, process: _Process) -> None:
+        popen, process.popen = process.popen, None
+        sock, process.sock = process.sock, None
+        process.open = 0
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the answers' thread in its recv
             except OSError:
                 pass
             sock.close()  # it ends at that, its warms' connections with it
-        if process is None:
+        if popen is None:
             return
         try:
-            process.wait(CLOSE_SECONDS)
+            popen.wait(CLOSE_SECONDS)
         except subprocess.TimeoutExpired:
-            process.kill()
+            popen.kill()
             try:
-                process.wait(CLOSE_SECONDS)
+                popen.wait(CLOSE_SECONDS)
             except subprocess.TimeoutExpired:  # in a wait on the remote no signal ends
                 log.warning("the reader-ahead (pid %d) does not end; left to end by itself",
-                            process.pid)
+                            popen.pid)
 
     def figures(self) -> dict:
-        """For `cachefs status`: its pid while it runs; the warms handed to it and those
-        still reading ahead; the copies it made, those taken into the cache and those the
-        daemon had no descriptors to receive; the paths of the ended warms it read in and
-        left alone."""
+        """For `cachefs status`: the pids of its processes that run; the warms' connections
+        handed to them and those still reading ahead; the copies they made, those taken into
+        the cache and those the daemon had no descriptors to receive; the paths of the ended
+        warms read in and left alone."""
         with self._lock:
-            process = self._process
-            running = process is not None and process.poll() is None
-            return {"pid": process.pid if running else None, "warms": self.warms,
-                    "open": self.open, "copied": self.copied, "installed": self.installed,
-                    "dropped": self.dropped,
-                    "read": self.read, "left": self.left}
+            return {"pids": [process.popen.pid for process in self._processes
+                             if process.running()],
+                    "warms": self.warms,
+                    "open": sum(process.open for process in self._processes),
+                    "copied": self.copied, "installed": self.installed,
+                    "dropped": self.dropped, "read": self.read, "left": self.left}
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            answering, self._answering = self._answering, None
-            self._stop_locked()
+            answering = [process.answering for process in self._processes]
+            for process in self._processes:
+                process.answering = None
+                self._stop_locked(process)
         # The store closes after this: an answer being handled still looks in it.
-        if answering is not None:
-            answering.join(CLOSE_SECONDS)
+        for thread in answering:
+            if thread is not None:
+                thread.join(CLOSE_SECONDS)
 
 
 def close_all(fds: Iterable[int]) -> None:

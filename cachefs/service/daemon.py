@@ -504,7 +504,9 @@ class Daemon:
         refused = self.prefetcher.take_read_ahead(conn, _caller(peer))
         if refused:
             return Reply({"ok": False, "error": refused})
-        return Reply(b'{"ok":true}', taken=True)
+        # (How many such connections a warm opens, each with its share of the list.)
+        return Reply(b'{"ok":true,"streams":%d}' % self.prefetcher.read_ahead_streams,
+                     taken=True)
 
     def _fetch_request(self, peer: Peer, argument: bytes) -> Reply:
         answer = self.prefetcher.fetch_now(argument, _caller(peer))
