@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.peakrss import run_with_peak_rss
+from cachefs import limits
 from cachefs.control.checkpoint import (
     BLOCK_PATHS,
     Block,
@@ -578,7 +579,7 @@ def test_a_warm_reads_its_files_ahead_in_processes_the_daemon_ends(tmp_path, sou
                      and st["warm_read_ahead"], what="the warm's read-ahead counted")
     # The list dealt among the processes, a connection to each.
     streams = len(ahead["pids"])
-    assert streams == min(4, len(os.sched_getaffinity(0))), ahead
+    assert streams == min(4, limits.CORES), ahead
     assert ahead["warms"] == streams and ahead["read"] > 0, ahead
     assert ahead["read"] + ahead["left"] <= 3000, ahead
     assert 0 < ahead["installed"] <= ahead["copied"], ahead

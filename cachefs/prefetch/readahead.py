@@ -19,7 +19,7 @@ reader-ahead (SCM_RIGHTS over a socket pair), which reads the paths from it itse
 
 A reader-ahead is one core's work at most: over a million files of 4 KiB it was busy 89 % of
 its time, and set the warm's pace with the host 17 % idle.  The daemon runs PROCESSES of
-them (one for each core it may run on, 4 at most), and a warm opens a READ-AHEAD connection
+them (one for each core it may use, 4 at most), and a warm opens a READ-AHEAD connection
 to each (the daemon's answer says how many; each goes to the process reading the fewest),
 dealing its list among them a batch of BATCH_PATHS at a time: each reads and copies its
 share and tells the warm of it on its own connection, at its own pace.
@@ -105,8 +105,9 @@ READ_AHEAD_BYTES = 256 * 2**10
 MAX_STREAMS = 64
 # Reader-ahead processes, each busy on a core of its own at a warm's full pace (one reads
 # and copies some 5,000 files of 4 KiB a second): a warm's list is dealt among them, a batch
-# to each in turn, over a connection to each.
-PROCESSES = max(1, min(4, len(limits.ALLOWED_CPUS)))
+# to each in turn, over a connection to each.  No more than the cores the daemon may use
+# (its affinity and its cgroups' CPU quota: more would only be throttled).
+PROCESSES = max(1, min(4, limits.CORES))
 # While the remote's opens are slow, one path is tried this often.
 SLOW_PROBE_SECONDS = 0.25
 RESTART_SECONDS = 10.0
