@@ -72,6 +72,15 @@ SMALL_FILES = 10_000
 # revalidate every file too: the per-file cost at two sizes compared with the same work per
 # file.
 REVALIDATE_SMALL_SECONDS = 2.0
+# --revalidate of both trees' mounts for the passes within it (steady_within, Baseline with
+# ``within``): longer than the big tree's passes last, so that neither tree's passes ask the
+# remote anything, and what is left to compare is what grows with the number of files.  The
+# passes above compare the same check of every file, but not the same work: the small tree's
+# directories are listed in one go each (every name listed is used within the interval),
+# the big tree's files each looked up on their own (a listing's names mostly fall due
+# before the pass reaches them, so listing does not pay: AttrCache), on a local remote a
+# cold inode read each.
+WITHIN_REVALIDATE_SECONDS = 3600.0
 FILES_PER_DIRECTORY = 1000
 READERS = 8
 WRITE_CHUNK = 1 << 20
@@ -359,17 +368,24 @@ class Baseline:
     Thread safety: used by one thread.
     """
 
-    def __init__(self, run: Run, tree: Tree) -> None:
-        self._tree = tree
+    def __init__(self, run: Run, tree: Tree, within: bool = False) -> None:
+        self.tree = tree
         self.passes: dict[str, list[dict]] = {}  # the big tree's key -> the small's passes
-        self._seeds = itertools.count(400)
+        # ``within``: no file revalidated (a cache of its own, warmed, on a mount whose
+        # --revalidate outlasts the run), for the big tree's passes within theirs.
+        self._within = within
+        self._seeds = itertools.count(500 if within else 400)
         self._last_read = 0.0  # when the last pass of it ended (time.monotonic)
         self._readers = Readers(tree.names(), run.args.readers)
-        self._mount = run.mount(tree, "cache-small", name="mnt-small",
-                                extra_args=("--revalidate", str(REVALIDATE_SMALL_SECONDS)))
+        revalidate = WITHIN_REVALIDATE_SECONDS if within else REVALIDATE_SMALL_SECONDS
+        self._mount = run.mount(tree, "cache-small-within" if within else "cache-small",
+                                name="mnt-small-within" if within else "mnt-small",
+                                extra_args=("--revalidate", str(revalidate)))
         try:
             self._mount.__enter__()
-            self._read(pages_only=False)  # past the restart's checks
+            if within:
+                warm(self._mount, tree, run.run_dir)
+            self._read(pages_only=False)  # past the restart's checks, every file held
         except BaseException:
             self.close()
             raise
@@ -379,10 +395,11 @@ class Baseline:
         self.passes.setdefault(key, []).append(self._read(pages_only))
 
     def _read(self, pages_only: bool) -> dict:
-        # Every file's attributes due: most often long since, a big tree's pass between.
-        time.sleep(max(0.0, self._last_read + REVALIDATE_SMALL_SECONDS - time.monotonic()))
+        if not self._within:
+            # Every file's attributes due: most often long since, a big tree's pass between.
+            time.sleep(max(0.0, self._last_read + REVALIDATE_SMALL_SECONDS - time.monotonic()))
         try:
-            return read_pass(self._readers, self._mount.path, self._tree, next(self._seeds),
+            return read_pass(self._readers, self._mount.path, self.tree, next(self._seeds),
                              self._mount, pages_only=pages_only)
         finally:
             self._last_read = time.monotonic()
@@ -400,16 +417,17 @@ def measure_big(run: Run, tree: Tree, baseline: Baseline | None = None) -> dict:
     readers = Readers(tree.names(), args.readers)
     seeds = itertools.count(101)  # a shuffled order of its own for each steady pass
 
-    def steady(key: str, mount: CachefsMount, pages_only: bool = False) -> None:
+    def steady(key: str, mount: CachefsMount, pages_only: bool = False,
+               beside: Baseline | None = baseline) -> None:
         """--repeats steady passes as ``key``, each after one of the baseline's."""
         passes = out["passes"][key] = []
         for _ in range(args.repeats):
-            if baseline is not None:
-                baseline.read(key, pages_only)
+            if beside is not None:
+                beside.read(key, pages_only)
             passes.append(read_pass(readers, mount.path, tree, next(seeds), mount,
                                     pages_only=pages_only))
-        if baseline is not None:
-            baseline.read(key, pages_only)
+        if beside is not None:
+            beside.read(key, pages_only)
 
     try:
         log("the tree directly: read passes, find, ls -lR")
@@ -474,6 +492,22 @@ def measure_big(run: Run, tree: Tree, baseline: Baseline | None = None) -> dict:
                 steady(f"steady_{variant}", mount)
                 out[f"rss_{variant}_bytes"] = rss_bytes(mount.pid)
                 steady(f"steady_{variant}_pages_only", mount, pages_only=True)
+
+        # The same with both bounds covering every file and no file revalidated, at both
+        # sizes (WITHIN_REVALIDATE_SECONDS): what a file costs as the files grow, apart from
+        # what checking each with the remote costs.
+        if baseline is not None:
+            log("steady reads within --revalidate at both sizes, both bounds covering")
+            within = Baseline(run, baseline.tree, within=True)
+            try:
+                bounds = covering_bounds(tree, scale_report.COVERING_VARIANTS[-1][1])
+                with run.mount(tree, "cache", extra_args=(
+                        *bounds, "--revalidate", str(WITHIN_REVALIDATE_SECONDS))) as mount:
+                    read_pass(readers, mount.path, tree, next(seeds), mount)  # all fetched
+                    steady("steady_within", mount, beside=within)
+            finally:
+                within.close()
+                out["baseline_within"] = within.passes.get("steady_within", [])
     finally:
         readers.close()
     return out
@@ -511,7 +545,7 @@ def clear_leftovers(runs_dir: Path) -> None:
     for entry in runs_dir.iterdir():
         if not entry.name.isdigit() or alive(int(entry.name)):
             continue
-        for name in ("mnt", "mnt-small"):
+        for name in ("mnt", "mnt-small", "mnt-small-within"):
             if slowfs.is_mounted(entry / name):
                 slowfs.fusermount(entry / name, lazy=True)
         if slowfs.is_mounted(entry / "cache-disk"):
@@ -545,7 +579,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict:
     try:
         caches = run_dir
         if args.cache_disk == "ext4":
-            need = cache_budget(big) + (cache_budget(small) if small else 0)
+            need = cache_budget(big) + (2 * cache_budget(small) if small else 0)
             disk = ScratchDisk(run_dir, need + need // 2 + (1 << 30),
                                inodes=2 * (args.files + args.small) + 100_000)
             caches = disk.__enter__()
@@ -565,7 +599,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict:
     finally:
         if disk is not None:
             disk.close()
-        if not any(slowfs.is_mounted(run_dir / n) for n in ("mnt", "mnt-small", "cache-disk")):
+        if not any(slowfs.is_mounted(run_dir / n)
+                   for n in ("mnt", "mnt-small", "mnt-small-within", "cache-disk")):
             shutil.rmtree(run_dir, ignore_errors=True)
     results["seconds"] = round(time.time() - started, 1)
     results["machine"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]

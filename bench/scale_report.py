@@ -173,6 +173,11 @@ def verdicts(results: dict) -> list[dict]:
     return out
 
 
+# The small tree's passes each big pass is judged against (Baseline in bench/scale.py).
+REVALIDATING = "revalidating every file as a pass here does"
+WITHIN = "within --revalidate as well"
+
+
 # How the passes of _against_small had their caches dropped: the results' key suffix, and
 # the words of the verdict.
 _DROPPED = (("", ""),
@@ -217,11 +222,22 @@ def _against_small(results: dict, steady: float) -> list[dict]:
                 share = None
                 measured = (f"no pass at {small_files:,} files to compare (a pass here ends "
                             "within --revalidate)")
-            # No slowdown per file: as many files a second, and no more of the daemon's CPU
-            # for each (the steadier of the two where the host is noisy).
-            met = None if share is None else share >= 1.0 and (cpu is None or cpu <= 1.0)
-            out.append(_verdict(target, met, measured))
+            out.append(_verdict(target, _no_slowdown(share, cpu), measured))
+    within = passes.get("steady_within")
+    if within:
+        share, cpu, measured = _against_baseline(
+            within, results["big"].get("baseline_within", []), True, small_files, WITHIN)
+        out.append(_verdict(f"steady reads at {files:,} files >= those at {small_files:,}, both "
+                            "bounds covering, both within --revalidate (no file checked with "
+                            "the remote)",
+                            _no_slowdown(share, cpu), measured))
     return out
+
+
+def _no_slowdown(share: float | None, cpu: float | None) -> bool | None:
+    """No slowdown per file: as many files a second, and no more of the daemon's CPU for
+    each (the steadier of the two where the host is noisy)."""
+    return None if share is None else share >= 1.0 and (cpu is None or cpu <= 1.0)
 
 
 def _baseline(small: dict, key: str, suffix: str) -> tuple[list[dict], bool]:
@@ -241,28 +257,25 @@ def _read_apart(small: dict, suffix: str) -> list[dict]:
     return small.get(f"steady_revalidated{suffix}") or []
 
 
-def _against_baseline(mine: list[dict], baseline: list[dict], paired: bool, small_files: int
-                      ) -> tuple[float | None, float | None, str]:
+def _against_baseline(mine: list[dict], baseline: list[dict], paired: bool, small_files: int,
+                      them: str = REVALIDATING) -> tuple[float | None, float | None, str]:
     """(the files/s share, the daemon's CPU per file as a multiple of the baseline's, in
     words): each of ``mine`` against the mean of the baseline's passes either side of it
     where they were read so, else the means."""
     if not baseline:
-        return None, None, (f"no pass at {small_files:,} files revalidating every file to "
-                            "compare")
+        return None, None, f"no pass at {small_files:,} files {them} to compare"
     rates, base = _rates(mine), _rates(baseline)
     paired = paired and len(base) == len(rates) + 1
     cpu, said = _cpu_against(_cpus(mine), _cpus(baseline), paired=paired)
     if not paired:
         share = _mean(rates) / _mean(base)
-        return share, cpu, (f"{share:.0%} of those revalidating every file as a pass here "
-                            f"does{said}")
+        return share, cpu, f"{share:.0%} of those {them}{said}"
     shares = _against_neighbours(rates, base)
     share = _mean(shares)
     # Passes either side of 100 % say the host's noise is larger than the difference.
     noise = "; within the host's noise" if min(shares) < 1.0 <= max(shares) else ""
-    return share, cpu, (f"{share:.0%} of those revalidating every file as a pass here does, "
-                        f"read either side of each pass ({_span([100 * x for x in shares])} "
-                        f"%){noise}{said}")
+    return share, cpu, (f"{share:.0%} of those {them}, read either side of each pass "
+                        f"({_span([100 * x for x in shares])} %){noise}{said}")
 
 
 def _against_neighbours(mine: list[float], baseline: list[float]) -> list[float]:
@@ -350,6 +363,14 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
                 out.append((f"the same, every file revalidated (as a pass of {files:,} files "
                             f"outlasting --revalidate {DEFAULT_REVALIDATE_SECONDS:.0f} s "
                             f"does){paired}{how}", _pass_figures(revalidated), ""))
+    within = passes.get("steady_within")
+    if within:
+        out.append((f"steady read pass at {files:,} files within --revalidate (longer than a "
+                    "pass), both bounds covering every file", _pass_figures(within), ""))
+        beside = big.get("baseline_within")
+        if small and beside:
+            out.append((f"the same at {settings['small_files']:,} files, read beside those "
+                        "passes", _pass_figures(beside), ""))
     tree = local["walks"]
     out += [
         ("`cachefs status` / `cachefs unmount` (the cache full)",

@@ -233,6 +233,11 @@ def test_the_scale_run_prints_every_row_and_leaves_no_mount(tmp_path: Path) -> N
     assert all(len(passes) == 2 and all(p["files_per_second"] > 0 for p in passes)
                for passes in paired.values())
     assert "(read beside the passes above), only the pages dropped before each pass |" in table
+    # ... and both trees within --revalidate, both bounds covering, on mounts of their own.
+    assert len(big["passes"]["steady_within"]) == 1 and len(big["baseline_within"]) == 2
+    assert all(p["files_per_second"] > 0 and p["daemon_cpu_us_per_file"] > 0
+               for p in big["passes"]["steady_within"] + big["baseline_within"])
+    assert "| the same at 2,000 files, read beside those passes |" in table
     # ... and what the kernel took of each pass (/proc), and the daemon's garbage collector
     # (its metrics).
     steady = big["passes"]["steady"]
@@ -242,13 +247,16 @@ def test_the_scale_run_prints_every_row_and_leaves_no_mount(tmp_path: Path) -> N
     assert big["mount_after_kill_seconds"] > 0 and big["status_request_seconds"] > 0
     # The verdicts are computed, each target judged.
     verdicts = result["verdicts"]
-    assert len(verdicts) == 19
+    assert len(verdicts) == 20
     # A pass of 10,000 files ends within --revalidate, so it is judged against the small
     # tree's within it; with only the pages dropped the small tree has no such pass to
     # compare with, and the verdict says so rather than judging.
     pages_only = [v for v in verdicts if "only the pages dropped" in v["target"]]
     assert len(pages_only) == 3 and all(v["met"] is None for v in pages_only)
     assert all(v["met"] in (True, False) for v in verdicts if v not in pages_only)
+    [within] = [v for v in verdicts if "within --revalidate (no file" in v["target"]]
+    assert "of those within --revalidate as well, read either side of each pass" \
+        in within["measured"]
     assert "projected linearly to 1,000,000 from 10,000" in table
     for verdict in verdicts:
         assert verdict["target"] in run.stdout

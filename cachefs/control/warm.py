@@ -207,19 +207,12 @@ def _open_stream(target: str) -> tuple[socket.socket, int]:
     try:
         sock.settimeout(AHEAD_ANSWER_SECONDS)
         sock.connect(target)
-        # The daemon hands the connection to its reader-ahead once it answers: nothing is
-        # sent before that.
-        sock.sendall(b"READ-AHEAD\n")
-        answer = b""
-        while not answer.endswith(b"\n") and len(answer) < MAX_LINE_BYTES:
-            piece = sock.recv(MAX_LINE_BYTES)
-            if not piece:
-                break
-            answer += piece
+        # The daemon hands the connection to its reader-ahead once it answers, and the
+        # reader-ahead says nothing before it is told a path: the reply is all there is.
         try:
-            reply = json.loads(answer)
+            reply = request(sock, b"READ-AHEAD")
             streams = int(reply.get("streams", 1)) if reply.get("ok") is True else 0
-        except (ValueError, TypeError, AttributeError):
+        except (UsageError, ValueError, TypeError, AttributeError):
             streams = 0
         if streams < 1:
             raise OSError("no read-ahead")
