@@ -82,6 +82,10 @@ REVALIDATE_SMALL_SECONDS = 2.0
 # cold inode read each.
 WITHIN_REVALIDATE_SECONDS = 3600.0
 FILES_PER_DIRECTORY = 1000
+# Where a run mounts: the big tree, the small tree's baseline, the small tree within
+# --revalidate (under the run's directory); each is unmounted by a run that ends, or by the
+# next run when one was killed.
+MOUNT_NAMES = ("mnt", "mnt-small", "mnt-small-within")
 READERS = 8
 WRITE_CHUNK = 1 << 20
 # Seconds for `cachefs mount` to return with the cache full (today ~60 us per cached file).
@@ -378,8 +382,8 @@ class Baseline:
         self._last_read = 0.0  # when the last pass of it ended (time.monotonic)
         self._readers = Readers(tree.names(), run.args.readers)
         revalidate = WITHIN_REVALIDATE_SECONDS if within else REVALIDATE_SMALL_SECONDS
-        self._mount = run.mount(tree, "cache-small-within" if within else "cache-small",
-                                name="mnt-small-within" if within else "mnt-small",
+        suffix = "-small-within" if within else "-small"
+        self._mount = run.mount(tree, f"cache{suffix}", name=f"mnt{suffix}",
                                 extra_args=("--revalidate", str(revalidate)))
         try:
             self._mount.__enter__()
@@ -545,7 +549,7 @@ def clear_leftovers(runs_dir: Path) -> None:
     for entry in runs_dir.iterdir():
         if not entry.name.isdigit() or alive(int(entry.name)):
             continue
-        for name in ("mnt", "mnt-small", "mnt-small-within"):
+        for name in MOUNT_NAMES:
             if slowfs.is_mounted(entry / name):
                 slowfs.fusermount(entry / name, lazy=True)
         if slowfs.is_mounted(entry / "cache-disk"):
@@ -599,8 +603,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict:
     finally:
         if disk is not None:
             disk.close()
-        if not any(slowfs.is_mounted(run_dir / n)
-                   for n in ("mnt", "mnt-small", "mnt-small-within", "cache-disk")):
+        if not any(slowfs.is_mounted(run_dir / n) for n in (*MOUNT_NAMES, "cache-disk")):
             shutil.rmtree(run_dir, ignore_errors=True)
     results["seconds"] = round(time.time() - started, 1)
     results["machine"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
