@@ -244,6 +244,11 @@ class Metrics:
         """Let ``gauge`` read its value from the owner of the figure at scrape time."""
         gauge.set_function(read)
 
+    def bind_counter(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        """A counter ``name`` (``_total`` added) whose owner keeps the count, read at scrape
+        time."""
+        self.registry.register(_CounterFrom(name, documentation, read))
+
     def value(self, name: str, **labels: str) -> float:
         """The current value of a sample, as a scrape would show it (0 when absent)."""
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -288,6 +293,14 @@ class _QuietHandler(WSGIRequestHandler):
 
     def log_message(self, format, *args) -> None:  # noqa: A002 (the library's name)
         pass  # a line on stderr per scrape otherwise
+
+
+class _CounterFrom(Collector):
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def collect(self):
+        return [CounterMetricFamily(self._name, self._documentation, value=self._read())]
 
 
 class _Collections(Collector):

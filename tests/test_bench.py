@@ -314,6 +314,19 @@ def test_a_big_pass_as_fast_but_dearer_per_file_misses() -> None:
     assert verdict["met"] is True and "daemon CPU per file 0.95x theirs" in verdict["measured"]
 
 
+def test_bounds_covering_a_tree_count_its_directories_among_the_names(tmp_path: Path) -> None:
+    """An attribute cache one entry over its bound drops its oldest tenth: a bound of the
+    files alone left a million files' 1,001 directories out, and a tenth of the files went to
+    the remote every pass that was meant to ask it nothing."""
+    from bench.scale import Tree, covering_bounds
+
+    tree = Tree(tmp_path, tmp_path / "paths", 1_000_000, 4096)
+    assert covering_bounds(tree, ("--held-files", "--attr-cache-entries")) == (
+        "--held-files", "1000000", "--attr-cache-entries", "1001001")
+    assert covering_bounds(Tree(tmp_path, tmp_path / "paths", 1500, 1), (
+        "--attr-cache-entries",)) == ("--attr-cache-entries", "1503")
+
+
 def test_a_speed_up_above_the_remotes_ceiling_is_said_to_be() -> None:
     from bench.targets import _speedup_verdicts
     from bench.variants import CACHEFS, DIRECT

@@ -55,6 +55,13 @@ def test_a_tree_larger_than_every_bound_is_read_twice_with_the_right_bytes(
     memory = mount.status()["memory"]
     assert 0 < memory["attr_cache_entries"] <= 1000
     assert memory["attr_cache_capacity_entries"] == 1000
+    # 3,006 names (the directories' too) through 1,000 entries, twice: the room was made by
+    # dropping, and the count says so, in status and in the metrics.
+    assert memory["attr_cache_dropped"] >= 2 * (len(files) - 1000)
+    assert mount.metric("cachefs_attr_cache_dropped_total") == memory["attr_cache_dropped"]
+    shown = subprocess.run([sys.executable, "-m", "cachefs", "status", str(mount.path)],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert f"(at most 1,000, {memory['attr_cache_dropped']:,} dropped for room)" in shown
     if mount.status()["data_path"].startswith("kernel passthrough"):
         assert 0 < memory["held_files"] <= memory["held_files_max"] == 64
     assert mount.metric("cachefs_attr_cache_capacity_entries") == 1000

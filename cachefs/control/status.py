@@ -105,7 +105,8 @@ def status_rows(st: dict) -> tuple[str, list[tuple[str, str]]]:
     if memory:
         rows.append(("memory", f"{memory['nodes']:,} nodes the kernel holds; attributes of "
                                f"{memory['attr_cache_entries']:,} names "
-                               f"(at most {memory['attr_cache_capacity_entries']:,}); "
+                               f"(at most {memory['attr_cache_capacity_entries']:,}, "
+                               f"{memory.get('attr_cache_dropped', 0):,} dropped for room); "
                                f"{memory['held_files']:,} files held registered "
                                f"(at most {memory['held_files_max']:,}); "
                                f"{format_bytes(st['prefetch']['staging_bytes'])} of prefetched "

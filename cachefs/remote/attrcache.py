@@ -155,10 +155,10 @@ def _averaged(average: float | None, sample: float, weight: float) -> float:
 class AttrCache:
     """Attributes by path relative to BACKING.
 
-    Thread safety: ``_lock`` guards ``_entries``, ``_listed``, ``_listing``, ``_walked``,
-    ``_to_list``, ``_names_listed``, ``_declined`` and the listing tally (a leaf lock, never
-    held across a remote call or a wait).  Listings in the background run on one thread at a
-    time, started when there is one to make.
+    Thread safety: ``_lock`` guards ``_entries``, ``dropped``, ``_listed``, ``_listing``,
+    ``_walked``, ``_to_list``, ``_names_listed``, ``_declined`` and the listing tally (a leaf
+    lock, never held across a remote call or a wait).  Listings in the background run on
+    one thread at a time, started when there is one to make.
     """
 
     def __init__(
@@ -197,6 +197,9 @@ class AttrCache:
         # walk within the interval either: one decision per directory and interval).
         self._declined = RecentDirectories(max_entries)
         self.costs = ListingCosts()
+        # Entries dropped for room since the start: a bound below the names a pass uses
+        # shows here (each a round trip at the name's next lookup).
+        self.dropped = 0
 
     def get(self, relpath: str) -> Attr:
         """The file's attributes, fetched from the remote when older than the interval."""
@@ -468,8 +471,10 @@ class AttrCache:
     def _trim_locked(self) -> None:
         if len(self._entries) > self._max_entries:
             # Drop the oldest tenth: they would need a round trip soon anyway.
-            for old in list(itertools.islice(self._entries, self._max_entries // 10)):
+            oldest = list(itertools.islice(self._entries, max(1, self._max_entries // 10)))
+            for old in oldest:
                 self._count_unused_locked(self._entries.pop(old))
+            self.dropped += len(oldest)
 
     @property
     def interval(self) -> float | None:

@@ -58,9 +58,9 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-timeout", help="seconds a read waits on the remote before EIO "
                         "(default 30)")
     parser.add_argument("--prefetch-concurrency", help="files prefetched at once (default 32)")
-    parser.add_argument("--attr-cache-entries", help="attributes of names the kernel does not "
-                        "hold (a listing's, a hint's) remembered at most, about 200 bytes each "
-                        "(default 200000)")
+    parser.add_argument("--attr-cache-entries", help="attributes of names (files and "
+                        "directories) the kernel does not hold (a listing's, a hint's) "
+                        "remembered at most, about 200 bytes each (default 200000)")
     parser.add_argument("--held-files", help="cached files kept registered with the kernel "
                         "between opens, about 2 KiB of memory each (default: a 64th of the "
                         "machine's or the cgroup's memory, 65536 at least)")

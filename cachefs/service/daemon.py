@@ -187,6 +187,9 @@ class Daemon:
                               max_entries=s.attr_cache_entries)
             m.bind_gauge(m.attr_cache_entries, lambda: attrs.entries)
             m.attr_cache_capacity_entries.set(s.attr_cache_entries)
+            m.bind_counter("cachefs_attr_cache_dropped", "Attributes dropped to stay within "
+                           "--attr-cache-entries (a bound below the names a pass uses: each a "
+                           "lookup on the remote again)", lambda: attrs.dropped)
             m.bind_gauge(m.attr_listing_used_ratio,
                          lambda: math.nan if (share := attrs.listing_used_share) is None else share)
             m.bind_gauge(m.attr_listing_pays_ratio, lambda: attrs.costs.pays_share)
@@ -463,6 +466,7 @@ class Daemon:
             "node_table_bytes": self.fs.nodes.memory_bytes if self.fs else 0,
             "attr_cache_entries": attrs.entries if attrs else 0,
             "attr_cache_capacity_entries": attrs.max_entries if attrs else 0,
+            "attr_cache_dropped": attrs.dropped if attrs else 0,
             "attr_listing_used_share": attrs.listing_used_share if attrs else None,
             "attr_listings_pay": attrs.listings_pay if attrs else True,
             "attr_listing_pays_share": attrs.costs.pays_share if attrs else None,
