@@ -527,7 +527,7 @@ def covering_bounds(tree: Tree, flags: tuple[str, ...]) -> tuple[str, ...]:
     """Mount arguments setting each of ``flags`` (--held-files, --attr-cache-entries) to a
     bound that covers every file of ``tree``: the held files are files, the attributes are
     of names, directories among them (a bound of the files alone leaves the directories'
-    1,001 out, and an attribute cache one over its bound drops its oldest tenth: a tenth
+    1,001 out, and an attribute cache one over its bound dropped its oldest tenth: a tenth
     of the files then looked up on the remote every pass)."""
     bounds = {"--held-files": tree.files, "--attr-cache-entries": tree.names_with_attributes}
     return tuple(arg for flag in flags for arg in (flag, str(max(bounds[flag], 1000))))

@@ -315,7 +315,7 @@ def test_a_big_pass_as_fast_but_dearer_per_file_misses() -> None:
 
 
 def test_bounds_covering_a_tree_count_its_directories_among_the_names(tmp_path: Path) -> None:
-    """An attribute cache one entry over its bound drops its oldest tenth: a bound of the
+    """An attribute cache one entry over its bound dropped its oldest tenth: a bound of the
     files alone left a million files' 1,001 directories out, and a tenth of the files went to
     the remote every pass that was meant to ask it nothing."""
     from bench.scale import Tree, covering_bounds

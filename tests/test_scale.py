@@ -69,6 +69,27 @@ def test_a_tree_larger_than_every_bound_is_read_twice_with_the_right_bytes(
     assert mount.metric("cachefs_nodes") < len(files) / 2
 
 
+def test_a_bound_just_under_the_names_drops_few_of_them_each_pass(
+        source, remote, mount_cachefs):
+    """Past its bound the attribute cache drops its oldest names a few at a time: shuffled
+    passes over a few more names than the bound (1,000 files, their 2 directories) each drop
+    and look up again a few, where a tenth dropped at a time made it 100 a pass."""
+    files = make_tree(source, directories=2)
+    mount = mount_cachefs(remote.path, attr_cache_entries=1000, revalidate=600)
+    names = sorted(files)
+    dropped = []
+    for epoch in range(3):
+        before = mount.metric("cachefs_attr_cache_dropped_total")
+        random.Random(epoch).shuffle(names)
+        for rel in names:
+            assert (mount.path / rel).read_bytes() == files[rel], (epoch, rel)
+        mount.settle()
+        drop_dentries()
+        dropped.append(mount.metric("cachefs_attr_cache_dropped_total") - before)
+    assert dropped[0] >= 1, dropped  # over the bound: some dropped
+    assert all(later <= 30 for later in dropped[1:]), dropped
+
+
 def test_a_stable_set_of_files_stays_held_across_shuffled_epochs(
         source, remote, mount_cachefs):
     """Past the bound, the files held are the first to come, not the most recently opened.

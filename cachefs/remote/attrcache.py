@@ -46,6 +46,14 @@ USED, LISTED_UNUSED = 0, 1
 _USED_FLAG = bytes([USED])
 # How long the kernel may keep entries and attributes that never change (--revalidate never).
 IMMUTABLE_KERNEL_SECONDS = 86400.0
+# Past its bound the cache drops its oldest entries, this share of the bound at a time: a
+# few at once, since a dict's oldest are found by skipping the slots dropped before them
+# (one by one would skip them on every insert), but few, since an entry dropped unused comes
+# back as a round trip.  A tenth at a time, a shuffled pass over 0.1 % more names than the
+# bound looked a tenth of them up on the remote again every pass; a thousandth, a quarter of
+# a percent (simulated, 100,101 names through 100,000), for 260 ns more per insert (a
+# million entries, 938 ns against 674).
+TRIM_SHARE = 1 / 1000
 # Names of a listing remembered per turn of the lock.
 LISTING_SLICE = 4096
 # Names of one directory looked up on the remote one at a time, within an interval, before
@@ -469,9 +477,12 @@ class AttrCache:
         self._trim_locked()
 
     def _trim_locked(self) -> None:
-        if len(self._entries) > self._max_entries:
-            # Drop the oldest tenth: they would need a round trip soon anyway.
-            oldest = list(itertools.islice(self._entries, max(1, self._max_entries // 10)))
+        over = len(self._entries) - self._max_entries
+        if over > 0:
+            # The oldest, the first to fall due: as many as a listing's slice brought over
+            # the bound, and a few more (TRIM_SHARE).
+            batch = max(1, int(self._max_entries * TRIM_SHARE))
+            oldest = list(itertools.islice(self._entries, over - 1 + batch))
             for old in oldest:
                 self._count_unused_locked(self._entries.pop(old))
             self.dropped += len(oldest)
