@@ -421,6 +421,61 @@ def test_adapter_maps_exceptions_to_errnos(exc, code, caplog):
     assert bool([r for r in caplog.records if r.exc_info]) == bug
 
 
+class _TwoDirectories:
+    """Stands in for the core: directories ``a`` and ``b``, a file ``b/f`` of 5 bytes."""
+
+    attrs = type("Attrs", (), {"fresh_for": staticmethod(lambda relpath: 1.0)})()
+
+    def getattr(self, relpath):
+        if relpath in ("", "a", "b"):
+            return attr_of(0)._replace(mode=stat.S_IFDIR | 0o755)
+        if relpath == "b/f":
+            return attr_of(5)
+        raise FileNotFoundError(errno.ENOENT, relpath)
+
+
+def test_a_directory_forgotten_as_its_id_goes_to_another_leaves_no_path_under_it():
+    """A FORGET of directory ``a`` on one thread, a LOOKUP on another given ``a``'s freed id
+    for directory ``b``, then a LOOKUP in ``b`` by that id: it looks ``b/f`` up, not
+    ``a/f`` (ENOENT for a file that exists), whenever the forgetting thread drops the id's
+    path.  The interleaving is forced: the second thread runs as the slot is freed."""
+    fs = MirrorFS(_TwoDirectories(), on_mounted=lambda c: None, metrics=Metrics())
+    req = Request(1, protocol.ROOT_ID, 0, 0, 0)
+
+    def nodeid_of(entry: bytes) -> int:
+        return int.from_bytes(entry[:8], "little")
+
+    a = nodeid_of(fs.lookup(req, protocol.ROOT_ID, b"a"))
+    with pytest.raises(FileNotFoundError):
+        fs.lookup(req, a, b"f")  # a/f: none; a's path is remembered under its id
+    outcome = {}
+
+    def look_up_in_b():
+        try:
+            outcome["b"] = nodeid_of(fs.lookup(req, protocol.ROOT_ID, b"b"))
+            outcome["entry"] = fs.lookup(req, outcome["b"], b"f")
+        except OSError as exc:
+            outcome["error"] = exc
+
+    free = fs.nodes.forget
+
+    def forget_racing(nodeid, nlookup):
+        freed = free(nodeid, nlookup)
+        racer = threading.Thread(target=look_up_in_b)
+        racer.start()
+        racer.join(0.5)  # finished, or waiting for the forget to let go of the mirror's lock
+        outcome["racer"] = racer
+        return freed
+
+    fs.nodes.forget = forget_racing
+    fs.forget(a, 1)
+    outcome["racer"].join(10)
+    assert outcome.get("b") == a  # the freed id went to b: the race the test is about
+    assert "error" not in outcome, outcome.get("error")
+    attr = protocol.ATTR.unpack_from(outcome["entry"], 40)
+    assert attr[1] == 5  # b/f's size
+
+
 def test_random_stress_of_store_against_a_model(open_store):
     """Random puts, replacements and drops; the store always returns what the model says."""
     rng = random.Random(9)

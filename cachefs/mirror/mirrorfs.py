@@ -393,10 +393,19 @@ class MirrorFS:
         return p.entry_out(nodeid, 0, timeout, timeout, _pack(nodeid, attr))
 
     def forget(self, nodeid: int, nlookup: int) -> None:
-        if self.nodes.forget(nodeid, nlookup):  # its id may name another node from now on
-            with self._lock:
-                self._dir_paths.pop(nodeid, None)
-                self._listed.pop(nodeid, None)
+        # What is remembered under the id goes before the node does: once the node table
+        # frees it, a LOOKUP on another thread may give the id to another directory, and the
+        # kernel ask for names in that one by it at once, read without the lock.  The lock
+        # keeps a path worked out meanwhile for the old node from being put back (_dir_path).
+        with self._lock:
+            path = self._dir_paths.pop(nodeid, None)
+            listing = self._listed.pop(nodeid, None)
+            if not self.nodes.forget(nodeid, nlookup):  # some lookups left: still this node
+                if path is not None:
+                    self._dir_paths[nodeid] = path
+                if listing is not None:
+                    self._listed[nodeid] = listing
+
 
     def getattr(self, req: Request, nodeid: int, fh: int | None) -> bytes:
         node = self._node(nodeid)
