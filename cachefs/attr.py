@@ -30,16 +30,10 @@ class Attr(NamedTuple):
 
     @classmethod
     def from_stat(cls, st: os.stat_result) -> Attr:
-        return cls(
-            st.st_mode,
-            st.st_size,
-            st.st_uid,
-            st.st_gid,
-            st.st_nlink,
-            st.st_atime_ns,
-            st.st_mtime_ns,
-            st.st_ctime_ns,
-        )
+        # The tuple made directly: a NamedTuple's own __new__ is a Python function, and this
+        # runs for every name a listing or a lookup brings.
+        return _new_tuple(cls, (st.st_mode, st.st_size, st.st_uid, st.st_gid, st.st_nlink,
+                                st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns))
 
     @property
     def version(self) -> Version:

@@ -130,6 +130,7 @@ _ENTRY_HEAD = struct.Struct("<QQQQII")     # nodeid, generation, entry_valid, at
 _ATTR_HEAD = struct.Struct("<QII")         # attr_valid, attr_valid_nsec, dummy
 OPEN_OUT = struct.Struct("<QIi")           # fh, open_flags, backing_id
 _DIRENT = struct.Struct("<QQII")           # ino, off, namelen, type
+_ENTRY_WITH_ATTR = struct.Struct(_ENTRY_HEAD.format + ATTR.format[1:])
 _KSTATFS = struct.Struct("<QQQQQIIII24x")  # blocks, bfree, bavail, files, ffree, bsize,
 #                                            namelen, frsize, padding, spare[6]
 NOTIFY_STORE_OUT = struct.Struct("<QQII")  # nodeid, offset, size, padding
@@ -159,6 +160,20 @@ def attr(ino: int, mode: int, size: int, uid: int, gid: int, nlink: int, atime_n
     return ATTR.pack(ino, size, -(-size // 512), a_s & 0xFFFF_FFFF_FFFF_FFFF,
                      m_s & 0xFFFF_FFFF_FFFF_FFFF, c_s & 0xFFFF_FFFF_FFFF_FFFF, a_n, m_n, c_n,
                      mode, nlink, uid, gid, rdev, blksize, 0)
+
+
+def entry_with_attr(nodeid: int, timeout: float, mode: int, size: int, uid: int, gid: int,
+                    nlink: int, atime_ns: int, mtime_ns: int, ctime_ns: int) -> bytes:
+    """``entry_out(nodeid, 0, timeout, timeout, attr(nodeid, ...))`` in one pack: a LOOKUP's
+    reply, and the head of each READDIRPLUS entry (the listings' per-name path)."""
+    t_s, t_n = split_seconds(timeout)
+    a_s, a_n = divmod(atime_ns, 10**9)
+    m_s, m_n = divmod(mtime_ns, 10**9)
+    c_s, c_n = divmod(ctime_ns, 10**9)
+    return _ENTRY_WITH_ATTR.pack(nodeid, 0, t_s, t_s, t_n, t_n, nodeid, size, -(-size // 512),
+                                 a_s & 0xFFFF_FFFF_FFFF_FFFF, m_s & 0xFFFF_FFFF_FFFF_FFFF,
+                                 c_s & 0xFFFF_FFFF_FFFF_FFFF, a_n, m_n, c_n, mode, nlink, uid,
+                                 gid, 0, 4096, 0)
 
 
 def entry_out(nodeid: int, generation: int, entry_timeout: float, attr_timeout: float,

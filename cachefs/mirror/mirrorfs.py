@@ -219,6 +219,11 @@ def _checked_as(held: HeldFile | None) -> tuple[int, int, int] | None:
     return None if held is None else held.checked_as
 
 
+def _entry(nodeid: int, timeout: float, a: Attr) -> bytes:
+    return p.entry_with_attr(nodeid, timeout, a.mode, a.size, a.uid, a.gid, a.nlink, a.atime_ns,
+                             a.mtime_ns, a.ctime_ns)
+
+
 def _pack(nodeid: int, a: Attr) -> bytes:
     return p.attr(nodeid, a.mode, a.size, a.uid, a.gid, a.nlink, a.atime_ns, a.mtime_ns,
                   a.ctime_ns)
@@ -390,7 +395,7 @@ class MirrorFS:
         if not attr.is_dir:  # a walk looks directories up to enter them, stat or not
             self._names_stated(parent, seen=True)
         timeout = 0.0 if is_control_entry(relpath) else self._timeout(relpath)
-        return p.entry_out(nodeid, 0, timeout, timeout, _pack(nodeid, attr))
+        return _entry(nodeid, timeout, attr)
 
     def forget(self, nodeid: int, nlookup: int) -> None:
         # What is remembered under the id goes before the node does: once the node table
@@ -405,7 +410,6 @@ class MirrorFS:
                     self._dir_paths[nodeid] = path
                 if listing is not None:
                     self._listed[nodeid] = listing
-
 
     def getattr(self, req: Request, nodeid: int, fh: int | None) -> bytes:
         node = self._node(nodeid)
@@ -537,22 +541,23 @@ class MirrorFS:
             if used + needed > size:
                 break
             relpath = prefix + os.fsdecode(name)
-            attr = attrs.peek(relpath)
-            if attr is None and not listed:
+            found = attrs.peek_fresh(relpath)
+            if found is None and not listed:
                 self.tree.listdir(directory)  # every name's attributes, in one listing
                 listed = True
-                attr = attrs.peek(relpath)
-            if attr is None and offset > 0:
+                found = attrs.peek_fresh(relpath)
+            if found is None and offset > 0:
                 try:
-                    attr = self.tree.getattr(relpath)
+                    found = self.tree.getattr(relpath), None
                 except OSError:  # gone since the listing
                     pass
-            if attr is None:  # a name without attributes: the kernel looks it up if wanted
+            if found is None:  # a name without attributes: the kernel looks it up if wanted
                 entry, ino = p.entry_out(0, 0, 0.0, 0.0, bytes(p.ATTR.size)), 0xFFFF_FFFF
             else:
+                attr, timeout = found
                 ino = self.nodes.lookup(parent, name, attr)
-                timeout = self._timeout(relpath)
-                entry = p.entry_out(ino, 0, timeout, timeout, _pack(ino, attr))
+                entry = _entry(ino, self._timeout(relpath) if timeout is None else timeout,
+                               attr)
                 mode = attr.mode
             out.append(p.direntplus(entry, ino, index + 1, mode, name))
             used += needed

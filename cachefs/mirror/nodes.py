@@ -193,17 +193,19 @@ class NodeTable:
             stored = _HEAP_REF.pack(self._heap_put(name))
         else:
             stored = name
-        _SLOT.pack_into(self._maps["nodes"], self._offset(nodeid), parent, a.mode, lookups,
-                        a.size, _clamp(a.mtime_ns), _clamp(a.ctime_ns), _clamp(a.atime_ns),
-                        a.uid, a.gid, a.nlink, len(name), flags, stored)
+        times = (a.mtime_ns, a.ctime_ns, a.atime_ns) if not flags & _TIMES_ASIDE else (
+            _clamp(a.mtime_ns), _clamp(a.ctime_ns), _clamp(a.atime_ns))
+        _SLOT.pack_into(self._maps["nodes"], _HEADER_BYTES + (nodeid - 1) * SLOT_BYTES, parent,
+                        a.mode, lookups, a.size, *times, a.uid, a.gid, a.nlink, len(name),
+                        flags, stored)
 
     def _set_times_aside(self, nodeid: int, a: Attr) -> int:
         """Keep aside the times a slot cannot hold: the flag to set (0: none)."""
-        times = (a.mtime_ns, a.ctime_ns, a.atime_ns)
-        if all(_TIME_MIN <= t <= _TIME_MAX for t in times):
-            self._times_aside.pop(nodeid, None)
+        if _times_fit(a):
+            if self._times_aside:
+                self._times_aside.pop(nodeid, None)
             return 0
-        self._times_aside[nodeid] = times
+        self._times_aside[nodeid] = (a.mtime_ns, a.ctime_ns, a.atime_ns)
         return _TIMES_ASIDE
 
     def _read_slot(self, nodeid: int) -> tuple | None:
@@ -278,9 +280,9 @@ class NodeTable:
 
     # -- the index ------------------------------------------------------------------------------
 
-    def _find_locked(self, parent: int, name: bytes) -> tuple[int, int]:
-        """(bucket, node id) of (parent, name); node id 0 and the empty bucket where it would
-        go when it is not indexed."""
+    def _find_locked(self, parent: int, name: bytes) -> tuple[int, int, tuple | None]:
+        """(bucket, node id, its slot's fields) of (parent, name); node id 0, no fields and
+        the empty bucket where it would go when it is not indexed."""
         h = _hash(parent, name)
         mask = self._buckets - 1
         index = self._index
@@ -288,13 +290,28 @@ class NodeTable:
         while True:
             entry = index[bucket]
             if not entry:
-                return bucket, 0
+                return bucket, 0, None
             if entry >> 32 == h:
                 nodeid = entry & 0xFFFF_FFFF
                 fields = self._read_slot(nodeid)
                 if fields is not None and fields[0] == parent and self._name_of(fields) == name:
-                    return bucket, nodeid
+                    return bucket, nodeid, fields
             bucket = (bucket + 1) & mask
+
+    def _bucket_of_locked(self, h: int, nodeid: int) -> int | None:
+        """The bucket of node ``nodeid`` whose name hashes to ``h``; None when its name is not
+        indexed to it (a newer version's node has the entry).  A live node has at most one
+        entry and every entry is of a live node, so the entry itself says it is this one's:
+        no slot read, no name compared (a FORGET's path, a million of them after a pass)."""
+        wanted = h << 32 | nodeid
+        mask = self._buckets - 1
+        index = self._index
+        bucket = h & mask
+        while (entry := index[bucket]):
+            if entry == wanted:
+                return bucket
+            bucket = (bucket + 1) & mask
+        return None
 
     def _index_put_locked(self, bucket: int, parent: int, name: bytes, nodeid: int) -> None:
         self._index[bucket] = _hash(parent, name) << 32 | nodeid
@@ -336,18 +353,13 @@ class NodeTable:
         by the kernel: the one it has, or a new one when there is none, or when the name is now
         of another kind or (a regular file) another version."""
         with self._lock:
-            bucket, nodeid = self._find_locked(parent, name)
+            bucket, nodeid, fields = self._find_locked(parent, name)
             if nodeid:
-                fields = self._read_slot(nodeid)
-                known = self._attr_of(nodeid, fields)
-                same = stat.S_IFMT(known.mode) == stat.S_IFMT(attr.mode) and not (
-                    stat.S_ISREG(attr.mode) and (known.size, known.mtime_ns) != (attr.size,
-                                                                                 attr.mtime_ns))
-                if same:
-                    self._write_slot_attr(nodeid, attr, fields[2] + 1)
+                if self._same_node(nodeid, fields, attr):
+                    self._write_slot_attr(nodeid, attr, fields[2] + 1, fields[11])
                     return nodeid
                 self._index_remove_locked(bucket)  # the name's entry moves to its new node
-                bucket, _none = self._find_locked(parent, name)
+                bucket, _none, _fields = self._find_locked(parent, name)
             nodeid = self._allocate()
             self._write_slot(nodeid, parent, name, attr, 1)
             self.live += 1
@@ -355,11 +367,28 @@ class NodeTable:
             self._write_header()
             return nodeid
 
-    def _write_slot_attr(self, nodeid: int, a: Attr, lookups: int) -> None:
+    def _same_node(self, nodeid: int, fields: tuple, attr: Attr) -> bool:
+        """Whether ``attr`` is of the kind, and for a regular file the version, the node was
+        looked up with (the slot's fields, read without building its Attr: a lookup's path)."""
+        mode = attr.mode
+        if stat.S_IFMT(fields[1]) != stat.S_IFMT(mode):
+            return False
+        if not stat.S_ISREG(mode):
+            return True
+        mtime = fields[4]
+        if fields[11] & _TIMES_ASIDE and nodeid in self._times_aside:
+            mtime = self._times_aside[nodeid][0]
+        return fields[3] == attr.size and mtime == attr.mtime_ns
+
+    def _write_slot_attr(self, nodeid: int, a: Attr, lookups: int, flags: int) -> None:
+        """New attributes and lookup count into a live slot whose flags are ``flags``."""
         mapped, offset = self._maps["nodes"], self._offset(nodeid)
+        if _times_fit(a) and not flags & _TIMES_ASIDE:  # the common case: the flags stay
+            _ATTR_PART.pack_into(mapped, offset + 4, a.mode, lookups, a.size, a.mtime_ns,
+                                 a.ctime_ns, a.atime_ns, a.uid, a.gid, a.nlink)
+            return
         _ATTR_PART.pack_into(mapped, offset + 4, a.mode, lookups, a.size, _clamp(a.mtime_ns),
                              _clamp(a.ctime_ns), _clamp(a.atime_ns), a.uid, a.gid, a.nlink)
-        (flags,) = _FLAGS.unpack_from(mapped, offset + _FLAGS_AT)
         flags = flags & ~_TIMES_ASIDE | self._set_times_aside(nodeid, a)
         _FLAGS.pack_into(mapped, offset + _FLAGS_AT, flags)
 
@@ -368,7 +397,7 @@ class NodeTable:
         with self._lock:
             fields = self._read_slot(nodeid)
             if fields is not None:
-                self._write_slot_attr(nodeid, attr, fields[2])
+                self._write_slot_attr(nodeid, attr, fields[2], fields[11])
 
     def forget(self, nodeid: int, nlookup: int) -> bool:
         """The kernel forgot ``nlookup`` lookups of a node; the node goes with the last (then
@@ -383,9 +412,8 @@ class NodeTable:
             if lookups > 0:
                 _LOOKUPS.pack_into(self._maps["nodes"], self._offset(nodeid) + 8, lookups)
                 return False
-            name = self._name_of(fields)
-            bucket, found = self._find_locked(fields[0], name)
-            if found == nodeid:
+            bucket = self._bucket_of_locked(_hash(fields[0], self._name_of(fields)), nodeid)
+            if bucket is not None:
                 self._index_remove_locked(bucket)
             self._release(nodeid, fields)
             self.live -= 1
@@ -419,3 +447,9 @@ assert _SLOT.size - _INLINE_NAME - _FLAGS.size == _FLAGS_AT
 
 def _clamp(ns: int) -> int:
     return min(max(ns, _TIME_MIN), _TIME_MAX)
+
+
+def _times_fit(a: Attr) -> bool:
+    """Whether a slot holds the times as they are (nanoseconds before 2262 and after 1677)."""
+    return (_TIME_MIN <= a.mtime_ns <= _TIME_MAX and _TIME_MIN <= a.ctime_ns <= _TIME_MAX
+            and _TIME_MIN <= a.atime_ns <= _TIME_MAX)

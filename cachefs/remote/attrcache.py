@@ -263,11 +263,19 @@ class AttrCache:
 
     def peek(self, relpath: str) -> Attr | None:
         """The attributes if memory holds them within the interval; never a round trip."""
+        found = self.peek_fresh(relpath)
+        return None if found is None else found[0]
+
+    def peek_fresh(self, relpath: str) -> tuple[Attr, float] | None:
+        """``peek`` with ``fresh_for``, the entry read once (a listing's path, per name)."""
         raw = self._entries.get(relpath)
-        if raw is None or (self._ttl is not None
-                           and time.monotonic() - _fetched(raw) >= self._ttl):
+        if raw is None:
             return None
-        return _unpack(raw)[0]
+        attr, fetched = _unpack(raw)
+        if self._ttl is None:
+            return attr, IMMUTABLE_KERNEL_SECONDS
+        left = self._ttl - (time.monotonic() - fetched)
+        return (attr, left) if left > 0 else None
 
     def list_directory(self, relpath: str, *, tallied: bool = False) -> list[tuple[str, int]]:
         """(name, file type bits) of each entry of the directory, from the remote; the
