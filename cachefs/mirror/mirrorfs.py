@@ -43,8 +43,9 @@ cache files the predecessor kept registered are closed.  A directory handle is n
 READDIR of one the process does not know lists the directory again.
 
 Lock order: ``MirrorFS._lock`` (open nodes, handles and their table, held files, directory
-paths) and the node table's are leaves: neither is held while taking the other, nor across a
-call into the tree, the store or the kernel.
+paths), then the node table's, a leaf: taken under ``MirrorFS._lock`` where a directory's
+path is remembered or a FORGET frees a node, never the other way round.  Neither is held
+across a call into the tree, the store or the kernel.
 """
 
 from __future__ import annotations

@@ -301,8 +301,8 @@ class NodeTable:
     def _bucket_of_locked(self, h: int, nodeid: int) -> int | None:
         """The bucket of node ``nodeid`` whose name hashes to ``h``; None when its name is not
         indexed to it (a newer version's node has the entry).  A live node has at most one
-        entry and every entry is of a live node, so the entry itself says it is this one's:
-        no slot read, no name compared (a FORGET's path, a million of them after a pass)."""
+        entry, so one holding both its id and its name's hash is its own: no slot read, no
+        name compared (a FORGET's path, a million of them after a pass)."""
         wanted = h << 32 | nodeid
         mask = self._buckets - 1
         index = self._index
