@@ -15,6 +15,8 @@ import time
 import pytest
 import xxhash
 
+from cachefs.remote.attrcache import IMMUTABLE_KERNEL_SECONDS, AttrCache
+from cachefs.remote.remote import Remote
 from tests.conftest import disk_usage, make_files, shuffled_read_all, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -201,6 +203,36 @@ def test_revalidate_never_trusts_the_cache(source, remote, mount_cachefs):
     remote.set_fault("errno", errno=errno.EIO, glob="*frozen.bin")
     assert (mount.path / "frozen.bin").read_bytes() == b"immutable dataset\n"
     assert mount.metric("cachefs_remote_read_bytes_total") == 0
+
+
+def test_attributes_are_given_to_the_kernel_for_what_is_left_of_the_interval(tmp_path):
+    """What a LOOKUP or GETATTR tells the kernel it may keep the attributes for: the rest of
+    --revalidate since they were fetched, a whole interval once fetched again, 0 for
+    attributes served past it while the remote does not answer, a day for a dataset that
+    never changes."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "f").write_bytes(b"one")
+    remote = Remote(str(tmp_path / "data"), timeout_seconds=10)
+    attrs = AttrCache(remote, 60.0, recorded_attr=lambda relpath: None)
+    attr, left = attrs.get_fresh("f")
+    assert attr.size == 3 and 59.0 < left <= 60.0
+    time.sleep(0.2)
+    attr, left = attrs.get_fresh("f")
+    assert attr.size == 3 and 50.0 < left <= 59.8
+    brief = AttrCache(remote, 0.3, recorded_attr=lambda relpath: None)
+    assert brief.get_fresh("f")[0].size == 3
+    (tmp_path / "data" / "f").write_bytes(b"two, longer")
+    time.sleep(0.4)
+    attr, left = brief.get_fresh("f")
+    assert attr.size == 11 and 0.0 < left <= 0.3
+    time.sleep(0.4)
+    remote.timed_out()  # unavailable until its probe finds it answering a second later
+    try:
+        assert brief.get_fresh("f") == (attr, 0.0)
+    finally:
+        remote.close()
+    never = AttrCache(remote, None, recorded_attr=lambda relpath: attr)
+    assert never.get_fresh("f") == (attr, IMMUTABLE_KERNEL_SECONDS)
 
 
 def test_metrics_and_status_report_what_happened(source, remote, mount_cachefs):

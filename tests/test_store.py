@@ -395,6 +395,9 @@ class _RaisingTree:
             return attr_of(0)._replace(mode=stat.S_IFDIR | 0o755)
         raise self.exc
 
+    def getattr_fresh(self, relpath):
+        return self.getattr(relpath), 0.0
+
 
 @pytest.mark.parametrize("exc, code", [
     (FileNotFoundError(errno.ENOENT, "x"), errno.ENOENT),
@@ -424,14 +427,15 @@ def test_adapter_maps_exceptions_to_errnos(exc, code, caplog):
 class _TwoDirectories:
     """Stands in for the core: directories ``a`` and ``b``, a file ``b/f`` of 5 bytes."""
 
-    attrs = type("Attrs", (), {"fresh_for": staticmethod(lambda relpath: 1.0)})()
-
     def getattr(self, relpath):
         if relpath in ("", "a", "b"):
             return attr_of(0)._replace(mode=stat.S_IFDIR | 0o755)
         if relpath == "b/f":
             return attr_of(5)
         raise FileNotFoundError(errno.ENOENT, relpath)
+
+    def getattr_fresh(self, relpath):
+        return self.getattr(relpath), 1.0
 
 
 def test_a_directory_forgotten_as_its_id_goes_to_another_leaves_no_path_under_it():

@@ -69,7 +69,7 @@ from cachefs.kernel.session import Connection, Request, Session
 from cachefs.mirror import handles as h
 from cachefs.mirror.held import HeldFiles
 from cachefs.mirror.nodes import ROOT_ID, NodeInfo, NodeTable
-from cachefs.mirror.tree import CachedTree, Located, is_control_entry
+from cachefs.mirror.tree import CachedTree, Located
 
 log = logging.getLogger(__name__)
 
@@ -379,9 +379,6 @@ class MirrorFS:
                 self._dir_paths[nodeid] = path
         return path
 
-    def _timeout(self, relpath: str) -> float:
-        return self.tree.attrs.fresh_for(relpath)
-
     # -- names ----------------------------------------------------------------------------
 
     def lookup(self, req: Request, parent: int, name: bytes) -> bytes:
@@ -391,11 +388,10 @@ class MirrorFS:
             raise OSError(errno.ESTALE, "unknown node")
         text = os.fsdecode(name)
         relpath = f"{directory}/{text}" if directory else text
-        attr = self.tree.getattr(relpath)
+        attr, timeout = self.tree.getattr_fresh(relpath)
         nodeid = self.nodes.lookup(parent, name, attr)
         if not attr.is_dir:  # a walk looks directories up to enter them, stat or not
             self._names_stated(parent, seen=True)
-        timeout = 0.0 if is_control_entry(relpath) else self._timeout(relpath)
         return _entry(nodeid, timeout, attr)
 
     def forget(self, nodeid: int, nlookup: int) -> None:
@@ -416,14 +412,14 @@ class MirrorFS:
         node = self._node(nodeid)
         if fh is not None and node.attr.is_file:
             return p.attr_out(0, _pack(nodeid, node.attr))  # fstat: the version that is open
-        attr = self.tree.getattr(node.relpath)
+        attr, timeout = self.tree.getattr_fresh(node.relpath)
         if node.attr.is_file and (not attr.is_file or not attr.same_version(node.attr)):
             # Changed on the remote: this node keeps its version; the next lookup of the
             # name finds the new one.
             return p.attr_out(0, _pack(nodeid, node.attr))
         if attr != node.attr:
             self.nodes.refresh(nodeid, attr)
-        return p.attr_out(self._timeout(node.relpath), _pack(nodeid, attr))
+        return p.attr_out(timeout, _pack(nodeid, attr))
 
     def readlink(self, req: Request, nodeid: int) -> bytes:
         return os.fsencode(self.tree.readlink(self._node(nodeid).relpath))
@@ -549,7 +545,7 @@ class MirrorFS:
                 found = attrs.peek_fresh(relpath)
             if found is None and offset > 0:
                 try:
-                    found = self.tree.getattr(relpath), None
+                    found = self.tree.getattr_fresh(relpath)
                 except OSError:  # gone since the listing
                     pass
             if found is None:  # a name without attributes: the kernel looks it up if wanted
@@ -557,8 +553,7 @@ class MirrorFS:
             else:
                 attr, timeout = found
                 ino = self.nodes.lookup(parent, name, attr)
-                entry = _entry(ino, self._timeout(relpath) if timeout is None else timeout,
-                               attr)
+                entry = _entry(ino, timeout, attr)
                 mode = attr.mode
             out.append(p.direntplus(entry, ino, index + 1, mode, name))
             used += needed

@@ -145,6 +145,13 @@ class CachedTree:
             return self._control_attr()
         return self.attrs.get(relpath)
 
+    def getattr_fresh(self, relpath: str) -> tuple[Attr, float]:
+        """``getattr``, with the seconds the kernel may keep the attributes: none for the
+        control entry, whose target is the daemon serving now."""
+        if is_control_entry(relpath):
+            return self.getattr(relpath), 0.0
+        return self.attrs.get_fresh(relpath)
+
     def _control_attr(self) -> Attr:
         root = self.attrs.get("")
         target = os.fsencode(self.control_target or "")

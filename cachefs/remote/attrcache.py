@@ -211,33 +211,41 @@ class AttrCache:
 
     def get(self, relpath: str) -> Attr:
         """The file's attributes, fetched from the remote when older than the interval."""
+        return self.get_fresh(relpath)[0]
+
+    def get_fresh(self, relpath: str) -> tuple[Attr, float]:
+        """``get``, with the seconds the attributes stay within the interval (what the kernel
+        may cache them for): 0 for attributes served past it (the remote unavailable)."""
         now = time.monotonic()
         raw = self._entries.get(relpath)
         entry = None if raw is None else _unpack(raw)
         if entry is not None:
-            if self._ttl is None or now - entry[1] < self._ttl or not self._remote.available:
+            ttl = self._ttl
+            left = IMMUTABLE_KERNEL_SECONDS if ttl is None else ttl - (now - entry[1])
+            if left > 0 or not self._remote.available:
                 if type(raw) is bytes and raw[-1] == LISTED_UNUSED:
                     self._count_use(relpath, raw)
-                return entry[0]
+                return entry[0], max(0.0, left)
         elif self._ttl is None:
             recorded = self._recorded_attr(relpath)
             if recorded is not None:
                 self._remember(relpath, recorded, now)
-                return recorded
+                return recorded, IMMUTABLE_KERNEL_SECONDS
         if relpath and self._remote.available:
             directory = relpath.rpartition("/")[0]
             if directory in self._names_listed:
                 with self._lock:
                     self._names_listed.pop(directory, None)
                 self._refresh_directory(directory)
-                raw = self._entries.get(relpath)
-                if raw is not None and (self._ttl is None or now - _fetched(raw) < self._ttl):
-                    return _unpack(raw)[0]
+                found = self.peek_fresh(relpath)
+                if found is not None:
+                    return found
             self._count_walk(directory, now)
         try:
             asked = time.monotonic()
             attr = self._remote.lstat(relpath)
-            self.costs.count_lookup(time.monotonic() - asked)
+            answered = time.monotonic()
+            self.costs.count_lookup(answered - asked)
         except FileNotFoundError:
             self.forget(relpath)
             raise
@@ -247,19 +255,11 @@ class AttrCache:
             fallback = entry[0] if entry is not None else self._recorded_attr(relpath)
             if fallback is None:
                 raise
-            return fallback
+            return fallback, 0.0
         self._remember(relpath, attr, now)
-        return attr
-
-    def fresh_for(self, relpath: str) -> float:
-        """Seconds the remembered attributes of ``relpath`` stay within the interval (what
-        the kernel may cache them for); 0 when none are remembered or they are due."""
-        raw = self._entries.get(relpath)
-        if raw is None:
-            return 0.0
         if self._ttl is None:
-            return IMMUTABLE_KERNEL_SECONDS
-        return max(0.0, self._ttl - (time.monotonic() - _fetched(raw)))
+            return attr, IMMUTABLE_KERNEL_SECONDS
+        return attr, max(0.0, self._ttl - (answered - now))
 
     def peek(self, relpath: str) -> Attr | None:
         """The attributes if memory holds them within the interval; never a round trip."""
