@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from cachefs.address import MetricsAddress
 from cachefs.boundedserver import BoundedThreads
 from cachefs.errors import UsageError
+from cachefs.threadcounts import ThreadCounter, ThreadHistogram
 
 log = logging.getLogger(__name__)
 
@@ -49,22 +50,24 @@ OPEN_LATENCY_BUCKETS = (
 
 
 class Metrics:
-    """The registry of one mount.  Thread safety: prometheus-client metrics are thread-safe."""
+    """The registry of one mount.  Thread safety: prometheus-client metrics are thread-safe,
+    and so are threadcounts' (each thread adds to its own)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.read_bytes = Counter(
+        # Counted on every read of a file: per thread, without a lock (threadcounts.py).
+        self.read_bytes = ThreadCounter(
             "cachefs_read_bytes", "Bytes handed to readers, by where they came from: a file "
             "handed over whole (to the kernel or a fast-path reader) counts its size at open",
-            ["source"], registry=r)
+            r, "source", READ_SOURCES)
         self.remote_read_bytes = Counter(
             "cachefs_remote_read_bytes", "Bytes read from the remote for any reason", registry=r)
-        self.file_opens = Counter(
+        self.file_opens = ThreadCounter(
             "cachefs_file_opens",
             "Files opened for reading: hit when the whole file was in the local cache already, "
             "prefetched when a hint brought it there (or into staging) first, miss otherwise",
-            ["result"], registry=r)
+            r, "result", OPEN_RESULTS)
         self.cache_bytes = Gauge(
             "cachefs_cache_bytes",
             "Bytes the cache occupies on disk (data, index, directories)", registry=r)
@@ -93,17 +96,16 @@ class Metrics:
             "cachefs_integrity_failures",
             "Cached chunks that failed their checksum or vanished; dropped and refetched",
             registry=r)
-        self.open_seconds = Histogram(
+        self.open_seconds = ThreadHistogram(
             "cachefs_open_seconds", "Time to answer an open: what a reader waits for before its "
-            "first byte (a miss includes the remote)", buckets=OPEN_LATENCY_BUCKETS, registry=r)
-        self.served_reads = Counter(
+            "first byte (a miss includes the remote)", r, OPEN_LATENCY_BUCKETS)
+        self.served_reads = ThreadCounter(
             "cachefs_served_reads", "READ requests the daemon answered itself; a file the "
-            "kernel reads from its backing file (passthrough) or its page cache sends none",
-            registry=r)
-        self.lookups = Counter(
+            "kernel reads from its backing file (passthrough) or its page cache sends none", r)
+        self.lookups = ThreadCounter(
             "cachefs_lookups", "LOOKUP requests: names the kernel did not hold, or held past "
             "--revalidate; names a listing gave with their attributes (READDIRPLUS) need none",
-            registry=r)
+            r)
         self.passthrough = Gauge(
             "cachefs_passthrough", "1 when the kernel reads local files itself (FUSE "
             "passthrough), 0 when the daemon serves every read", registry=r)
@@ -156,9 +158,9 @@ class Metrics:
         self.held_files = Gauge(
             "cachefs_held_files", "Cached files kept registered with the kernel between opens "
             "(bounded by cachefs_held_files_max)", registry=r)
-        self.held_file_opens = Counter(
+        self.held_file_opens = ThreadCounter(
             "cachefs_held_file_opens", "Opens of cached files found held (cachefs_held_files): "
-            "no open of the cache file, no registration with the kernel", registry=r)
+            "no open of the cache file, no registration with the kernel", r)
         self.held_files_max = Gauge(
             "cachefs_held_files_max", "--held-files, or the default sized from the memory the "
             "daemon may use", registry=r)
@@ -218,10 +220,6 @@ class Metrics:
             "cachefs_restart_pause_seconds", "The last takeover: from the death of the serving "
             "process to its successor serving (what a reader waited at most, beyond its "
             "request's own time); 0 before any", registry=r)
-        for source in READ_SOURCES:
-            self.read_bytes.labels(source)
-        for result in OPEN_RESULTS:
-            self.file_opens.labels(result)
         for result in HINT_RESULTS:
             self.hints.labels(result)
         for result in PREFETCH_RESULTS:
