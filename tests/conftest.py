@@ -252,6 +252,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.full)
 
 
+def pytest_assertrepr_compare(config, op, left, right):
+    """Two unequal byte strings described by where they part, not by pytest's diff of their
+    reprs: for a file of megabytes that diff runs for minutes, past the test's timeout."""
+    if op != "==" or not isinstance(left, bytes) or not isinstance(right, bytes):
+        return None
+    if len(left) + len(right) < 4096:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(left, right, strict=False)) if a != b),
+              min(len(left), len(right)))
+    differing = sum(a != b for a, b in zip(left, right, strict=False))
+    return [f"{len(left)} bytes == {len(right)} bytes",
+            f"first difference at offset {at} (page {at // 4096}); "
+            f"{differing} of the common {min(len(left), len(right))} bytes differ",
+            f"left  [{at}:{at + 16}]: {left[at:at + 16].hex()}",
+            f"right [{at}:{at + 16}]: {right[at:at + 16].hex()}"]
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     report = yield

@@ -555,6 +555,57 @@ def test_pages_stay_cached_across_opens_while_the_file_is_unchanged(source: Path
     assert read(path) == b"replaced"
 
 
+@pytest.mark.timeout(60)
+def test_an_open_beside_one_that_found_the_file_changed_reads_the_new_bytes(
+        source: Path, start_remote) -> None:
+    """Two opens of a file rewritten in place: the first finds it changed, and its process
+    is slow to wake (kept off its CPU by a real-time busy loop); the second, answered
+    meanwhile, reads the new bytes, not the old pages: an NFS client marks the pages invalid
+    for every reader, not for the one that noticed.  (Dropped only as the first opener woke,
+    the second read the old version's pages every time.)"""
+    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs CPUs 0 and 1: one kept busy, one to read on")
+    remote = start_remote()
+    path = remote.path / "sub" / "random.bin"
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {1})
+    try:
+        for _ in range(3):
+            before = read(source / "sub" / "random.bin")
+            assert read(path) == before  # its pages cached
+            rewritten = os.urandom(len(before))
+            with open(source / "sub" / "random.bin", "r+b") as f:
+                f.write(rewritten)
+            remote.configure(open_ms=300)  # both opens are answered after their work
+            opens = remote.stats()["ops"]["open"]
+            slow = subprocess.Popen([sys.executable, "-c",
+                                     "import os, sys; os.sched_setaffinity(0, {0}); "
+                                     "os.close(os.open(sys.argv[1], os.O_RDONLY))", str(path)])
+            hog = None
+            try:
+                deadline = time.monotonic() + 10
+                while remote.stats()["ops"]["open"] == opens and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert remote.stats()["ops"]["open"] > opens, "the first open never came"
+                hog = subprocess.Popen([sys.executable, "-c",
+                                        "import os; os.sched_setaffinity(0, {0}); "
+                                        "os.sched_setscheduler(0, os.SCHED_FIFO, "
+                                        "os.sched_param(1)); exec('while True: pass')"])
+                time.sleep(0.05)
+                if hog.poll() is not None:
+                    pytest.skip("no real-time scheduling here (needs CAP_SYS_NICE)")
+                got = read(path)
+            finally:
+                if hog is not None:
+                    hog.kill()
+                    hog.wait()
+                slow.wait(timeout=30)
+                remote.configure(open_ms=0)
+            assert got == rewritten
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
 @pytest.mark.timeout(120)
 def test_two_first_opens_at_once_fetch_a_file_once(tmp_path: Path, source: Path,
                                                    start_remote) -> None:

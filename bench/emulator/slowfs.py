@@ -17,7 +17,9 @@ what makes a network file system different from a local disk:
 * the client's page cache, kept as NFS keeps it (close-to-open): an open asks the server for
   the file's attributes, and the pages the kernel holds of the file stay valid while the file
   is the same one, unchanged (inode, size, mtime and ctime as at the node's previous open);
-  otherwise they are dropped.  Reads of cached pages never reach the emulator, so they pay
+  otherwise they are dropped before that open is answered, and any open answered meanwhile
+  drops them itself, as an NFS client marks the inode's pages invalid for every reader.  Reads
+  of cached pages never reach the emulator, so they pay
   no latency and no bandwidth, and a page that two readers (say, a reader handed the file
   and a copy of it into a cache) want is fetched once.  The kernel reads ahead
   ``READ_AHEAD_KB`` at a time, in requests of up to 1 MiB, as an NFS client with
@@ -108,6 +110,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
+from cachefs import remotewait
 from cachefs.kernel import protocol as p
 from cachefs.kernel.mount import MountOptions
 from cachefs.kernel.mountpoint import find_mount
@@ -537,12 +540,13 @@ class Node:
     """A path the kernel knows by a node id, how many lookups of it it counts, and which file
     its pages are of (what its last open found: close-to-open)."""
 
-    __slots__ = ("rel", "lookups", "opened")
+    __slots__ = ("rel", "lookups", "opened", "dropping")
 
     def __init__(self, rel: bytes, lookups: int = 0) -> None:
         self.rel = rel  # relative to SOURCE, without a leading slash; b"" for the root
         self.lookups = lookups
         self.opened: tuple[int, ...] | None = None
+        self.dropping = 0  # opens dropping the kernel's pages of an older version now
 
 
 def _same_file(st: os.stat_result) -> tuple[int, ...]:
@@ -650,7 +654,7 @@ class SlowFS(Filesystem):
 
     def open(self, req: Request, nodeid: int, flags: int) -> object:
         node = self._node(nodeid)
-        return self._request(req, "open", node.rel, self._open, (node, flags),
+        return self._request(req, "open", node.rel, self._open, (nodeid, node, flags),
                              on_lost=self._unopen)
 
     def read(self, req: Request, nodeid: int, fh: int, offset: int, size: int) -> object:
@@ -830,7 +834,7 @@ class SlowFS(Filesystem):
             self._nodes[nodeid].lookups += 1
         return nodeid
 
-    def _open(self, node: Node, flags: int) -> bytes:
+    def _open(self, nodeid: int, node: Node, flags: int) -> bytes:
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise OSError(errno.EROFS, "read-only")
         src = self._src(node.rel)
@@ -843,15 +847,31 @@ class SlowFS(Filesystem):
         self._handles[fd] = Handle(fd, src, (st.st_dev, st.st_ino))
         self.emu.opened()
         # Close-to-open: the pages the kernel holds stay while the file is the one they were
-        # read from; without FOPEN_KEEP_CACHE the kernel drops them at this open.  A node's
-        # first open keeps them too: it has none from before, and the kernel drops them as
-        # the opener wakes, which may come after a second open's reads (a reader beside a
-        # fill): those pages were then fetched twice.
+        # read from.  The open that finds it changed drops them before it is answered.  Left
+        # to that open's own reply (no FOPEN_KEEP_CACHE), the kernel would drop them only as
+        # its opener wakes, and an open answered meanwhile (found the file as the node's
+        # last open did) would read the old version's pages: a reader beside a fill on two
+        # busy cores did.  An open answered while the pages are being dropped drops them as
+        # it wakes, before its own reads.  A node's first open keeps them: it has none.
         found = _same_file(st)
         with self._lock:
-            keep = node.opened is None or node.opened == found
+            changed = node.opened is not None and node.opened != found
             node.opened = found
+            node.dropping += changed
+            keep = not node.dropping
+        if changed:
+            try:
+                keep = self._drop_pages(nodeid)
+            finally:
+                with self._lock:
+                    node.dropping -= 1
         return p.open_out(fd, p.FOPEN_KEEP_CACHE if keep else 0)
+
+    def _drop_pages(self, nodeid: int) -> bool:
+        """Drop the kernel's pages of ``nodeid`` now: whether it did.  The kernel waits for
+        reads in flight of those pages, answered by another thread (started meanwhile)."""
+        with remotewait.waiting(remote_call=False):
+            return self.session.notify_inval_inode(nodeid)
 
     def _unopen(self, body: bytes) -> None:
         self._close(p.OPEN_OUT.unpack_from(body)[0])

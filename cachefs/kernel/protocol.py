@@ -133,7 +133,6 @@ _DIRENT = struct.Struct("<QQII")           # ino, off, namelen, type
 _ENTRY_WITH_ATTR = struct.Struct(_ENTRY_HEAD.format + ATTR.format[1:])
 _KSTATFS = struct.Struct("<QQQQQIIII24x")  # blocks, bfree, bavail, files, ffree, bsize,
 #                                            namelen, frsize, padding, spare[6]
-NOTIFY_STORE_OUT = struct.Struct("<QQII")  # nodeid, offset, size, padding
 NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")  # nodeid, offset, length
 NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent, namelen, flags
 BACKING_MAP = struct.Struct("<iIQ")        # fd, flags, padding

@@ -281,11 +281,10 @@ class Session:
 
     # -- notifications and passthrough -------------------------------------------------------
 
-    def notify_store(self, nodeid: int, offset: int, data: bytes) -> bool:
-        """Put ``data`` into the kernel's page cache of ``nodeid`` at ``offset``."""
-        body = p.NOTIFY_STORE_OUT.pack(nodeid, offset, len(data), 0)
-        return self._writev([p.OUT_HEADER.pack(16 + len(body) + len(data), p.NOTIFY_STORE, 0),
-                             body, data])
+    def notify_inval_inode(self, nodeid: int) -> bool:
+        """Drop the kernel's cached pages and attributes of ``nodeid`` before returning."""
+        body = p.NOTIFY_INVAL_INODE_OUT.pack(nodeid, 0, 0)  # from offset 0, length 0: all
+        return self._write(p.OUT_HEADER.pack(16 + len(body), p.NOTIFY_INVAL_INODE, 0) + body)
 
     def notify_inval_entry(self, parent: int, name: bytes) -> bool:
         body = p.NOTIFY_INVAL_ENTRY_OUT.pack(parent, len(name), 0) + name + b"\0"
