@@ -246,8 +246,8 @@ def _tree_slowdown(results: dict) -> tuple[float, str, str]:
     million files than in one of 10,000: the dentry, inode and page-cache tables and the
     file system's own are 100 times larger, and their entries are found in memory, not in the
     CPU's caches.  cachefs pays that too (each open walks the cache disk's tree of N files)
-    and the same for its own tables (a lookup in a dict of a million paths took 0.76 - 1.04
-    us against 0.07 - 0.08 us in one of 10,000).  So no slowdown at all is not the bound; no
+    and the same for its own tables (a lookup in a dict of a million paths took 0.91 - 0.92
+    us against 0.08 - 0.09 us in one of 10,000).  So no slowdown at all is not the bound; no
     more slowdown than the tree's own is."""
     local = results["big"].get("local", {})
     beside = local.get("small_beside")
