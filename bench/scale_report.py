@@ -249,16 +249,23 @@ def _tree_slowdown(results: dict) -> tuple[float, str, str]:
     and the same for its own tables (a lookup in a dict of a million paths took 0.91 - 0.92
     us against 0.08 - 0.09 us in one of 10,000).  So no slowdown at all is not the bound; no
     more slowdown than the tree's own is."""
-    local = results["big"].get("local", {})
+    share = _tree_share(results["big"].get("local", {}))
+    if share is None:
+        return 1.0, "", ""
+    bound = min(1.0, share)
+    small_files = results["settings"]["small_files"]
+    return (bound, " as the tree itself is (read directly, in turns)",
+            f"; the tree read directly: {share:.0%} of its files/s at {small_files:,} files, "
+            f"so the bound is {bound:.0%} and CPU per file {1 / bound:.2f}x")
+
+
+def _tree_share(local: dict) -> float | None:
+    """The files/s of the big tree's direct passes as a share of the small tree's, read in
+    turns with them; None for a run from before those passes."""
     beside = local.get("small_beside")
     if not beside:
-        return 1.0, "", ""
-    share = _mean(_rates(local["passes"])) / _mean(_rates(beside))
-    small_files = results["settings"]["small_files"]
-    return (min(1.0, share), " as the tree itself is (read directly, in turns)",
-            f"; the tree read directly: {share:.0%} of its files/s at {small_files:,} files, "
-            f"so the bound is {min(1.0, share):.0%} and CPU per file "
-            f"{1 / min(1.0, share):.2f}x")
+        return None
+    return _mean(_rates(local["passes"])) / _mean(_rates(beside))
 
 
 def _no_slowdown(share: float | None, cpu: float | None, tree: float = 1.0) -> bool | None:
@@ -389,7 +396,7 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
             out.append((f"the tree of {settings['small_files']:,} files read directly in turns "
                         f"with that of {files:,} (its passes above)", "",
                         f"{_span(_rates(beside))} files/s; {files:,} files at "
-                        f"{_mean(local_rates) / _mean(_rates(beside)):.0%} of its rate"))
+                        f"{_tree_share(local):.0%} of its rate"))
         for suffix, _ in _DROPPED:
             revalidated = _revalidated_passes(small, suffix)
             if revalidated:

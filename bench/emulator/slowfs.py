@@ -19,11 +19,10 @@ what makes a network file system different from a local disk:
   is the same one, unchanged (inode, size, mtime and ctime as at the node's previous open);
   otherwise they are dropped before that open is answered, and any open answered meanwhile
   drops them itself, as an NFS client marks the inode's pages invalid for every reader.  Reads
-  of cached pages never reach the emulator, so they pay
-  no latency and no bandwidth, and a page that two readers (say, a reader handed the file
-  and a copy of it into a cache) want is fetched once.  The kernel reads ahead
-  ``READ_AHEAD_KB`` at a time, in requests of up to 1 MiB, as an NFS client with
-  ``rsize=1048576`` does;
+  of cached pages never reach the emulator, so they pay no latency and no bandwidth, and a
+  page that two readers (say, a reader handed the file and a copy of it into a cache) want is
+  fetched once.  The kernel reads ahead ``READ_AHEAD_KB`` at a time, in requests of up to
+  1 MiB, as an NFS client with ``rsize=1048576`` does;
 * NFS semantics for open files: a read (or an lseek to the end) on a file that was removed or
   replaced in SOURCE since it was opened fails with ESTALE, as it does for a second NFS client;
 * faults injected while mounted, through a control Unix socket (one JSON object per line, one
